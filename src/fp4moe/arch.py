@@ -1,0 +1,728 @@
+"""The GPU catalogue: every hardware fact fp4moe uses lives here and nowhere else.
+
+Two kinds of facts, kept apart:
+
+* ``Arch`` -- what a compute capability guarantees (shared memory, registers, which
+  tensor-core instructions exist). Source: the NVIDIA CUDA C++ Programming Guide,
+  "Compute Capabilities" / "Technical Specifications per Compute Capability" (cited
+  below as "CUDA guide"), and the PTX ISA for instruction availability.
+* ``GPU`` -- what one product has (SM count, memory, bandwidth, datasheet peaks).
+  Source: the product's datasheet or architecture whitepaper, cited per entry.
+
+Peaks are *dense* (no 2:4 sparsity). Datasheets often print the sparse figure; where
+we halved it the comment says "sparse/2". Bandwidths are in GB/s (1e9 bytes/s).
+``memory_gib`` is the datasheet capacity figure: HBM and GDDR parts are built from
+binary-sized chips, so the marketed "GB" is the GiB figure; torch reports a little
+less (ECC and driver reservations).
+
+Besides the catalogue, this module detects the GPU in hand (``detect``) and reports
+where it differs from the catalogue (``compare``, a pure function, tested on CPU).
+Nothing happens at import time beyond building the frozen tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = [
+    "ARCHS",
+    "BF16MMA",
+    "FP4MMA",
+    "GPUS",
+    "Arch",
+    "Detected",
+    "GPU",
+    "arch_for_capability",
+    "as_dict",
+    "compare",
+    "detect",
+    "find_gpu",
+    "get_arch",
+    "resolve_target",
+]
+
+FP4MMA = Literal["none", "mma_sync_block_scaled", "tcgen05"]
+"""How FP4 (e2m1) block-scaled MMA is issued: not at all, warp-level ``mma.sync ...
+kind::mxf4nvf4.block_scale`` (SM120/SM121), or ``tcgen05.mma`` (SM100/SM103)."""
+
+BF16MMA = Literal["mma.sync", "wgmma", "tcgen05"]
+"""The widest bf16 tensor-core instruction of an architecture."""
+
+_KIB = 1024
+
+
+# --------------------------------------------------------------------------------------
+# Architectures
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What one compute capability guarantees, whatever the product."""
+
+    name: str  # "sm90"
+    capability: tuple[int, int]  # (9, 0)
+    generation: str  # "Hopper"
+    smem_per_block_optin: int  # bytes: max dynamic shared memory per block, with opt-in
+    smem_per_sm: int  # bytes: shared memory per SM (max carveout)
+    regs_per_sm: int  # 32-bit registers per SM
+    max_threads_per_sm: int  # resident threads per SM
+    fp4_mma: FP4MMA
+    bf16_mma: BF16MMA
+    has_tma: bool  # bulk tensor copies (cp.async.bulk.tensor)
+    has_multicast: bool  # TMA multicast to the CTAs of a cluster
+    max_cluster_size: int  # portable cluster size fp4moe may plan for (1: no clusters)
+    has_tmem: bool  # tensor memory (tcgen05 accumulators)
+    tmem_bytes_per_sm: int  # 0 where has_tmem is False
+
+    def __post_init__(self) -> None:
+        major, minor = self.capability
+        if self.name != f"sm{major}{minor}":
+            raise ValueError(f"Arch name {self.name!r} does not match capability {self.capability}")
+        if self.has_tmem != (self.tmem_bytes_per_sm > 0):
+            raise ValueError(f"{self.name}: has_tmem={self.has_tmem} but tmem_bytes_per_sm={self.tmem_bytes_per_sm}")
+        if self.smem_per_block_optin > self.smem_per_sm:
+            raise ValueError(f"{self.name}: per-block shared memory exceeds the per-SM amount")
+        if self.max_cluster_size < 1:
+            raise ValueError(f"{self.name}: max_cluster_size must be >= 1")
+
+    @property
+    def sm_version(self) -> int:
+        """The capability as one integer, as in ``sm_120``: 120."""
+        major, minor = self.capability
+        return major * 10 + minor
+
+    @property
+    def triton_target(self) -> tuple[str, int, int]:
+        """Arguments of ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)``."""
+        return ("cuda", self.sm_version, 32)
+
+    @property
+    def has_native_fp4(self) -> bool:
+        """True where FP4 x FP4 block-scaled MMA runs on the tensor cores."""
+        return self.fp4_mma != "none"
+
+
+# Shared-memory and thread limits: CUDA guide, "Technical Specifications per Compute
+# Capability" table. The per-block opt-in limit is the per-SM amount less the 1 KB that
+# CUDA reserves per block (same guide). REFERENCE.md pins the opt-in limits.
+# Registers: 64 K 32-bit registers per SM for every capability listed (same table).
+_REGS_PER_SM = 64 * _KIB
+
+_ARCH_LIST: tuple[Arch, ...] = (
+    Arch(
+        name="sm80",
+        capability=(8, 0),
+        generation="Ampere",
+        smem_per_block_optin=163 * _KIB,  # 166,912 B -- CUDA guide, cc 8.0: 163 KB per block
+        smem_per_sm=164 * _KIB,  # 167,936 B -- CUDA guide, cc 8.0: 164 KB per SM
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=2048,  # CUDA guide, cc 8.0
+        fp4_mma="none",  # FP4 tensor-core MMA needs sm_100a/sm_120a (PTX ISA)
+        bf16_mma="mma.sync",  # PTX ISA: mma.sync bf16 from sm_80
+        has_tma=False,  # TMA arrives with sm_90 (PTX ISA, cp.async.bulk.tensor)
+        has_multicast=False,
+        max_cluster_size=1,  # thread-block clusters need cc 9.0 (CUDA guide)
+        has_tmem=False,
+        tmem_bytes_per_sm=0,
+    ),
+    Arch(
+        name="sm86",
+        capability=(8, 6),
+        generation="Ampere",
+        smem_per_block_optin=99 * _KIB,  # 101,376 B -- CUDA guide, cc 8.6: 99 KB per block
+        smem_per_sm=100 * _KIB,  # 102,400 B -- CUDA guide, cc 8.6: 100 KB per SM
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=1536,  # CUDA guide, cc 8.6
+        fp4_mma="none",
+        bf16_mma="mma.sync",
+        has_tma=False,
+        has_multicast=False,
+        max_cluster_size=1,
+        has_tmem=False,
+        tmem_bytes_per_sm=0,
+    ),
+    Arch(
+        name="sm89",
+        capability=(8, 9),
+        generation="Ada",
+        smem_per_block_optin=99 * _KIB,  # 101,376 B -- CUDA guide, cc 8.9: 99 KB per block
+        smem_per_sm=100 * _KIB,  # 102,400 B -- CUDA guide, cc 8.9: 100 KB per SM
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=1536,  # CUDA guide, cc 8.9
+        fp4_mma="none",  # Ada has FP8 but no FP4 tensor cores (Ada GPU architecture whitepaper)
+        bf16_mma="mma.sync",
+        has_tma=False,
+        has_multicast=False,
+        max_cluster_size=1,
+        has_tmem=False,
+        tmem_bytes_per_sm=0,
+    ),
+    Arch(
+        name="sm90",
+        capability=(9, 0),
+        generation="Hopper",
+        smem_per_block_optin=227 * _KIB,  # 232,448 B -- CUDA guide, cc 9.0: 227 KB per block
+        smem_per_sm=228 * _KIB,  # 233,472 B -- CUDA guide, cc 9.0: 228 KB per SM
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=2048,  # CUDA guide, cc 9.0
+        fp4_mma="none",  # Hopper tensor cores stop at FP8 (NVIDIA H100 whitepaper)
+        bf16_mma="wgmma",  # PTX ISA: wgmma.mma_async, sm_90a
+        has_tma=True,  # PTX ISA: cp.async.bulk.tensor from sm_90
+        has_multicast=True,  # PTX ISA: .multicast::cluster from sm_90
+        max_cluster_size=8,  # CUDA guide: portable cluster size 8 (16 is non-portable)
+        has_tmem=False,
+        tmem_bytes_per_sm=0,
+    ),
+    Arch(
+        name="sm100",
+        capability=(10, 0),
+        generation="Blackwell (datacenter)",
+        smem_per_block_optin=227 * _KIB,  # 232,448 B -- CUDA guide, cc 10.0: 227 KB per block
+        smem_per_sm=228 * _KIB,  # 233,472 B -- CUDA guide, cc 10.0 (Blackwell tuning guide: as H100)
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=2048,  # CUDA guide, cc 10.0
+        fp4_mma="tcgen05",  # PTX ISA: tcgen05.mma kind::mxf4nvf4, sm_100a
+        bf16_mma="tcgen05",
+        has_tma=True,
+        has_multicast=True,
+        max_cluster_size=8,  # CUDA guide: portable cluster size 8
+        has_tmem=True,
+        tmem_bytes_per_sm=256 * _KIB,  # 128 lanes x 512 columns x 4 B (PTX ISA, tensor memory)
+    ),
+    Arch(
+        name="sm103",
+        capability=(10, 3),
+        generation="Blackwell (datacenter)",
+        smem_per_block_optin=227 * _KIB,  # 232,448 B -- CUDA guide, cc 10.3 (as 10.0)
+        smem_per_sm=228 * _KIB,  # 233,472 B -- CUDA guide, cc 10.3
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=2048,  # CUDA guide, cc 10.3
+        fp4_mma="tcgen05",  # PTX ISA: tcgen05 on sm_103a (Blackwell Ultra)
+        bf16_mma="tcgen05",
+        has_tma=True,
+        has_multicast=True,
+        max_cluster_size=8,
+        has_tmem=True,
+        tmem_bytes_per_sm=256 * _KIB,  # NVIDIA Blackwell Ultra blog: 256 KB TMEM per SM
+    ),
+    Arch(
+        name="sm120",
+        capability=(12, 0),
+        generation="Blackwell (workstation/consumer)",
+        smem_per_block_optin=99 * _KIB,  # 101,376 B -- CUDA guide, cc 12.0: 99 KB per block
+        smem_per_sm=100 * _KIB,  # 102,400 B -- CUDA guide, cc 12.0: 100 KB per SM
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=1536,  # CUDA guide, cc 12.0
+        fp4_mma="mma_sync_block_scaled",  # PTX ISA: mma.sync m16n8k64 kind::mxf4nvf4.block_scale, sm_120a
+        bf16_mma="mma.sync",  # no wgmma, no tcgen05 on sm_120 (PTX ISA)
+        has_tma=True,  # cp.async.bulk.tensor is available on sm_120
+        has_multicast=False,  # CUTLASS SM120 GEMMs: no TMA multicast
+        max_cluster_size=1,  # CUTLASS SM120 GEMMs use cluster 1x1x1 (REFERENCE.md); fp4moe plans no clusters here
+        has_tmem=False,
+        tmem_bytes_per_sm=0,
+    ),
+    Arch(
+        name="sm121",
+        capability=(12, 1),
+        generation="Blackwell (workstation/consumer)",
+        smem_per_block_optin=99 * _KIB,  # 101,376 B -- CUDA guide, cc 12.x: 99 KB per block
+        smem_per_sm=100 * _KIB,  # 102,400 B -- CUDA guide, cc 12.x: 100 KB per SM
+        regs_per_sm=_REGS_PER_SM,
+        max_threads_per_sm=1536,  # CUDA guide, cc 12.x
+        fp4_mma="mma_sync_block_scaled",  # same instruction family as sm_120 (PTX ISA, sm_121a)
+        bf16_mma="mma.sync",
+        has_tma=True,
+        has_multicast=False,
+        max_cluster_size=1,  # as sm120
+        has_tmem=False,
+        tmem_bytes_per_sm=0,
+    ),
+)
+
+ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in _ARCH_LIST})
+"""Every architecture fp4moe targets, by name ("sm80" ... "sm121")."""
+
+_ARCH_BY_CAPABILITY: Mapping[tuple[int, int], Arch] = MappingProxyType({a.capability: a for a in _ARCH_LIST})
+
+
+def _known_archs() -> str:
+    return ", ".join(ARCHS)
+
+
+def arch_for_capability(cc: tuple[int, int]) -> Arch:
+    """The catalogue architecture of a compute capability, e.g. ``(12, 0)`` -> sm120."""
+    if (
+        not isinstance(cc, tuple)
+        or len(cc) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in cc)
+    ):
+        raise ValueError(f"arch_for_capability: argument 'cc' must be a (major, minor) tuple of ints; received {cc!r}")
+    arch = _ARCH_BY_CAPABILITY.get(cc)
+    if arch is not None:
+        return arch
+    major, minor = cc
+    if (major, minor) < (8, 0):
+        reason = "fp4moe supports SM80 and newer"
+    else:
+        reason = "it is not in the catalogue"
+    raise ValueError(
+        f"arch_for_capability: compute capability {major}.{minor} (sm{major}{minor}) is not supported: "
+        f"{reason}; known archs: {_known_archs()}"
+    )
+
+
+# "sm_120", "sm120", "sm_100a", "compute_90", "120" ... and "12.0".
+_ARCH_NAME_RE = re.compile(r"^(?:sm|compute)?_?(\d{2,3})[af]?$")
+_ARCH_DOTTED_RE = re.compile(r"^(\d{1,2})\.(\d)$")
+
+
+def get_arch(arch: str | int | tuple[int, int] | Arch) -> Arch:
+    """The catalogue ``Arch`` for any usual spelling of an architecture.
+
+    Accepts an ``Arch``; names such as ``"sm120"``, ``"sm_120"``, ``"SM_100a"``,
+    ``"120"``; the integer ``120``; the capability ``(12, 0)`` or ``"12.0"``.
+    """
+    if isinstance(arch, Arch):
+        return arch
+    capability: tuple[int, int] | None = None
+    if isinstance(arch, tuple):
+        if len(arch) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in arch):
+            capability = (arch[0], arch[1])
+    elif isinstance(arch, int) and not isinstance(arch, bool):
+        if arch >= 10:
+            capability = divmod(arch, 10)
+    elif isinstance(arch, str):
+        text = arch.strip().lower()
+        if match := _ARCH_NAME_RE.match(text):
+            capability = divmod(int(match.group(1)), 10)
+        elif match := _ARCH_DOTTED_RE.match(text):
+            capability = (int(match.group(1)), int(match.group(2)))
+    found = _ARCH_BY_CAPABILITY.get(capability) if capability is not None else None
+    if found is None:
+        too_old = " (fp4moe supports SM80 and newer)" if capability is not None and capability < (8, 0) else ""
+        raise ValueError(
+            f"get_arch: argument 'arch' received {arch!r}, which is not a known architecture{too_old}; "
+            f"known archs: {_known_archs()} (also spelt 'sm_120', '120', 120, (12, 0) or '12.0')"
+        )
+    return found
+
+
+# --------------------------------------------------------------------------------------
+# Products
+# --------------------------------------------------------------------------------------
+
+
+def _tokens(text: str) -> list[str]:
+    """Lower-case alphanumeric runs: 'NVIDIA A100-SXM4-80GB' -> ['nvidia', 'a100', 'sxm4', '80gb']."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def _match_length(alias: str, text: str) -> int:
+    """Length of ``alias`` (without separators) if it occurs in ``text`` on token boundaries, else 0.
+
+    Separators are ignored ("rtx-pro-6000", "rtxpro6000" and "RTX PRO 6000" are one
+    spelling), but a match must start and end where a word of ``text`` does, so that
+    "b300" does not match inside "gb300".
+    """
+    words = _tokens(text)
+    needle = "".join(_tokens(alias))
+    if not needle:
+        return 0
+    joined = "".join(words)
+    boundaries = {0}
+    offset = 0
+    for word in words:
+        offset += len(word)
+        boundaries.add(offset)
+    start = joined.find(needle)
+    while start != -1:
+        if start in boundaries and start + len(needle) in boundaries:
+            return len(needle)
+        start = joined.find(needle, start + 1)
+    return 0
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One product: its architecture plus what its datasheet says."""
+
+    name: str  # canonical, e.g. "H200"
+    aliases: tuple[str, ...]  # lower-case spellings users and torch use
+    arch: Arch
+    sm_count: int
+    memory_gib: float  # datasheet capacity figure
+    mem_bandwidth_gbs: float  # GB/s (1e9 B/s), datasheet
+    bf16_dense_tflops: float  # dense tensor-core bf16 (FP32 accumulate) peak
+    fp4_dense_tflops: float | None  # dense FP4 tensor-core peak; None without FP4 tensor cores
+    l2_mib: float
+
+    def __post_init__(self) -> None:
+        if self.arch.has_native_fp4 != (self.fp4_dense_tflops is not None):
+            raise ValueError(
+                f"GPU {self.name}: fp4_dense_tflops must be given exactly when {self.arch.name} has FP4 MMA"
+            )
+        for alias in self.aliases:
+            if alias != alias.lower():
+                raise ValueError(f"GPU {self.name}: alias {alias!r} must be lower-case")
+
+    def match_length(self, text: str) -> int:
+        """Length of the longest of name/aliases found in ``text`` (0: no match)."""
+        return max(_match_length(alias, text) for alias in (self.name, *self.aliases))
+
+    def matches(self, text: str) -> bool:
+        """True if ``text`` names this GPU: case, space and dash insensitive, on word boundaries.
+
+        Torch device names match too: "NVIDIA H100 80GB HBM3" matches H100.
+        """
+        return self.match_length(text) > 0
+
+
+_GPU_LIST: tuple[GPU, ...] = (
+    GPU(
+        name="A100",  # A100 SXM4 80GB
+        aliases=("a100", "a100 sxm", "a100 sxm4", "a100 80gb", "a100 sxm4 80gb"),
+        arch=ARCHS["sm80"],
+        sm_count=108,  # NVIDIA A100 Tensor Core GPU architecture whitepaper
+        memory_gib=80,  # NVIDIA A100 datasheet (80GB HBM2e)
+        mem_bandwidth_gbs=2039,  # NVIDIA A100 datasheet, SXM 80GB
+        bf16_dense_tflops=312,  # NVIDIA A100 datasheet (624 with sparsity)
+        fp4_dense_tflops=None,
+        l2_mib=40,  # NVIDIA A100 whitepaper: 40 MB L2
+    ),
+    GPU(
+        name="RTX 3090",
+        aliases=("rtx 3090", "geforce rtx 3090", "3090"),
+        arch=ARCHS["sm86"],
+        sm_count=82,  # NVIDIA Ampere GA102 GPU architecture whitepaper
+        memory_gib=24,  # GA102 whitepaper: 24 GB GDDR6X
+        mem_bandwidth_gbs=936,  # GA102 whitepaper
+        bf16_dense_tflops=71,  # GA102 whitepaper: BF16 with FP32 accumulate, 71 dense / 142 sparse
+        fp4_dense_tflops=None,
+        l2_mib=6,  # GA102 whitepaper: 6144 KB L2
+    ),
+    GPU(
+        name="RTX 4090",
+        aliases=("rtx 4090", "geforce rtx 4090", "4090"),
+        arch=ARCHS["sm89"],
+        sm_count=128,  # NVIDIA Ada GPU architecture whitepaper
+        memory_gib=24,  # Ada whitepaper: 24 GB GDDR6X
+        mem_bandwidth_gbs=1008,  # Ada whitepaper
+        bf16_dense_tflops=165.2,  # Ada whitepaper: BF16 with FP32 accumulate, 165.2 dense / 330.4 sparse
+        fp4_dense_tflops=None,
+        l2_mib=72,  # Ada whitepaper: 73,728 KB L2
+    ),
+    GPU(
+        name="L40S",
+        aliases=("l40s",),
+        arch=ARCHS["sm89"],
+        sm_count=142,  # NVIDIA L40S datasheet (18,176 CUDA cores / 128 per SM)
+        memory_gib=48,  # NVIDIA L40S datasheet: 48 GB GDDR6
+        mem_bandwidth_gbs=864,  # NVIDIA L40S datasheet
+        bf16_dense_tflops=362.05,  # NVIDIA L40S datasheet: 362.05 dense (733 sparse)
+        fp4_dense_tflops=None,
+        l2_mib=96,  # NVIDIA L40S product brief: 96 MB L2 (AD102)
+    ),
+    GPU(
+        name="H100",  # H100 SXM5 80GB
+        aliases=("h100", "h100 sxm", "h100 sxm5", "h100 80gb hbm3"),
+        arch=ARCHS["sm90"],
+        sm_count=132,  # NVIDIA H100 Tensor Core GPU architecture whitepaper, SXM5
+        memory_gib=80,  # NVIDIA H100 datasheet, SXM
+        mem_bandwidth_gbs=3350,  # NVIDIA H100 datasheet, SXM: 3.35 TB/s
+        bf16_dense_tflops=989.4,  # NVIDIA H100 datasheet: 1,979 with sparsity (sparse/2)
+        fp4_dense_tflops=None,
+        l2_mib=50,  # H100 whitepaper: 50 MB L2 on H100 SXM5
+    ),
+    GPU(
+        name="H200",  # H200 SXM 141GB
+        aliases=("h200", "h200 sxm", "h200 sxm 141gb"),
+        arch=ARCHS["sm90"],
+        sm_count=132,  # NVIDIA H200 Tensor Core GPU datasheet (same GH100 configuration as H100 SXM)
+        memory_gib=141,  # NVIDIA H200 datasheet: 141 GB HBM3e
+        mem_bandwidth_gbs=4800,  # NVIDIA H200 datasheet: 4.8 TB/s
+        bf16_dense_tflops=989.4,  # NVIDIA H200 datasheet: 1,979 with sparsity (sparse/2)
+        fp4_dense_tflops=None,
+        # NVIDIA's H200 datasheet gives no L2 size; torch's L2_cache_size
+        # (cudaDeviceProp::l2CacheSize) reads 62,914,560 B = 60 MiB on an H200 SXM (read
+        # with torch 2.11 on the project's H200 machine, which also reported 132 SMs,
+        # 232,448 B opt-in shared memory and 139.8 GiB), where an H100 SXM reads 50 MB.
+        l2_mib=60,
+    ),
+    GPU(
+        name="B200",  # HGX B200
+        aliases=("b200", "b200 sxm", "hgx b200"),
+        arch=ARCHS["sm100"],
+        sm_count=148,  # NVIDIA Blackwell architecture technical brief; driver reports 148
+        memory_gib=180,  # NVIDIA HGX B200 datasheet: 180 GB HBM3e per GPU (early briefs: 192)
+        # NVIDIA HGX B200 datasheet: 7.7 TB/s (early briefs: 8 TB/s); the driver's 7680-bit
+        # bus at 3996 MHz gives 7.67 TB/s (pytorch/ao PR #4002).
+        mem_bandwidth_gbs=7700,
+        bf16_dense_tflops=2250,  # HGX B200 datasheet: 4.5 PFLOPS with sparsity (sparse/2)
+        fp4_dense_tflops=9000,  # HGX B200 datasheet: 18 PFLOPS FP4 with sparsity (sparse/2)
+        l2_mib=126.5,  # driver-reported L2 on B200 (pytorch/ao PR #4002); not on the datasheet
+    ),
+    GPU(
+        name="B300",  # HGX B300 (Blackwell Ultra)
+        aliases=("b300", "hgx b300", "b300 sxm6 ac"),
+        arch=ARCHS["sm103"],
+        sm_count=160,  # NVIDIA "Inside Blackwell Ultra" technical blog: 160 SMs
+        memory_gib=270,  # approximate: HGX B300 datasheet, ~2.1 TB for 8 GPUs (288 GB HBM3e fitted)
+        mem_bandwidth_gbs=7700,  # approximate: HGX B300 datasheet per-GPU figure
+        bf16_dense_tflops=2250,  # HGX B300 datasheet: 36 PFLOPS sparse for 8 GPUs (sparse/2/8)
+        fp4_dense_tflops=14000,  # approximate: HGX B300 datasheet dense FP4 per GPU
+        l2_mib=126.5,  # approximate: assumed as B200 (same die family); not published
+    ),
+    GPU(
+        name="GB300",  # Grace Blackwell Ultra superchip GPU (GB300 NVL72)
+        aliases=("gb300", "gb300 nvl72"),
+        arch=ARCHS["sm103"],
+        sm_count=160,  # NVIDIA "Inside Blackwell Ultra" technical blog: 160 SMs
+        memory_gib=288,  # NVIDIA Blackwell Ultra blog: up to 288 GB HBM3e (usable may be ~279)
+        mem_bandwidth_gbs=8000,  # NVIDIA Blackwell Ultra blog: 8 TB/s
+        bf16_dense_tflops=2500,  # approximate: GB300 NVL72 datasheet per-GPU dense figure
+        fp4_dense_tflops=15000,  # NVIDIA Blackwell Ultra blog: 15 PFLOPS dense NVFP4
+        l2_mib=126.5,  # approximate: assumed as B200 (same die family); not published
+    ),
+    GPU(
+        name="RTX PRO 6000 Blackwell",  # Workstation Edition (Max-Q and Server editions share the 188 SMs)
+        aliases=(
+            "rtx pro 6000",
+            "rtx pro 6000 blackwell",
+            "rtx pro 6000 blackwell workstation edition",
+            "pro 6000",
+        ),
+        arch=ARCHS["sm120"],
+        sm_count=188,  # NVIDIA RTX PRO 6000 Blackwell datasheet (24,064 CUDA cores / 128 per SM)
+        memory_gib=96,  # RTX PRO 6000 Blackwell datasheet: 96 GB GDDR7
+        mem_bandwidth_gbs=1792,  # RTX PRO 6000 Blackwell datasheet: 1,792 GB/s
+        # RTX Blackwell GPU architecture whitepaper: BF16 with FP32 accumulate, dense;
+        # = 188 SMs x 1024 FLOP/clk x 2.617 GHz boost.
+        bf16_dense_tflops=503.8,
+        # Datasheet: 4,000 AI TOPS (FP4, sparse); dense = 188 SMs x 4096 FLOP/clk x
+        # 2.617 GHz = 2,015 (sparse/2, approximate: depends on the boost clock).
+        fp4_dense_tflops=2015.2,
+        l2_mib=128,  # RTX Blackwell whitepaper: full GB202 L2, 128 MB
+    ),
+    GPU(
+        name="RTX 5090",
+        aliases=("rtx 5090", "geforce rtx 5090", "5090"),
+        arch=ARCHS["sm120"],
+        sm_count=170,  # RTX Blackwell GPU architecture whitepaper
+        memory_gib=32,  # RTX Blackwell whitepaper: 32 GB GDDR7
+        mem_bandwidth_gbs=1792,  # RTX Blackwell whitepaper: 1,792 GB/s
+        bf16_dense_tflops=209.5,  # RTX Blackwell whitepaper: BF16 with FP32 accumulate (GeForce half rate)
+        fp4_dense_tflops=1676,  # RTX Blackwell whitepaper: 3,352 AI TOPS FP4 sparse (sparse/2)
+        l2_mib=96,  # RTX Blackwell whitepaper: 98,304 KB L2
+    ),
+    GPU(
+        name="DGX Spark",  # GB10 Grace Blackwell superchip
+        aliases=("dgx spark", "gb10"),
+        arch=ARCHS["sm121"],
+        sm_count=48,  # 6,144 CUDA cores (NVIDIA DGX Spark spec page) / 128 per SM
+        memory_gib=128,  # NVIDIA DGX Spark datasheet: 128 GB LPDDR5x unified (shared with the CPU)
+        mem_bandwidth_gbs=273,  # NVIDIA DGX Spark datasheet: 273 GB/s
+        # Approximate: NVIDIA publishes no BF16 figure; FP4 dense / 4 as on other SM12x parts.
+        bf16_dense_tflops=125,
+        fp4_dense_tflops=500,  # approximate: DGX Spark datasheet, 1 PFLOP FP4 with sparsity (sparse/2)
+        l2_mib=24,  # approximate: third-party reports; not on an NVIDIA datasheet
+    ),
+)
+
+GPUS: Mapping[str, GPU] = MappingProxyType({g.name: g for g in _GPU_LIST})
+"""Every catalogued product, by canonical name."""
+
+
+def _known_gpus() -> str:
+    return ", ".join(GPUS)
+
+
+def find_gpu(text: str) -> GPU:
+    """The catalogue GPU named by ``text``: a user spelling or a torch device name.
+
+    Case, spaces and dashes do not matter ("RTX-PRO-6000", "rtx pro 6000",
+    "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"). When several products match,
+    the one whose matching alias is longest wins; an exact tie raises.
+    """
+    if not isinstance(text, str) or not _tokens(text):
+        raise ValueError(f"find_gpu: argument 'text' must name a GPU; received {text!r}; known GPUs: {_known_gpus()}")
+    scored = [(gpu.match_length(text), gpu) for gpu in _GPU_LIST]
+    best = max(score for score, _ in scored)
+    if best == 0:
+        raise ValueError(
+            f"find_gpu: argument 'text' received {text!r}, which matches no catalogued GPU; known GPUs: {_known_gpus()}"
+        )
+    winners = [gpu for score, gpu in scored if score == best]
+    if len(winners) > 1:
+        names = ", ".join(g.name for g in winners)
+        raise ValueError(f"find_gpu: {text!r} is ambiguous between {names}; spell it out")
+    return winners[0]
+
+
+def resolve_target(gpu: str | None = None, arch: str | None = None) -> tuple[Arch, GPU | None]:
+    """For command lines: a ``--gpu`` name gives its arch and product, an ``--arch`` the arch alone.
+
+    Exactly one of the two must be given.
+    """
+    if (gpu is None) == (arch is None):
+        raise ValueError(
+            f"resolve_target: give exactly one of gpu= or arch=; received gpu={gpu!r}, arch={arch!r}"
+        )
+    if gpu is not None:
+        product = find_gpu(gpu)
+        return product.arch, product
+    assert arch is not None
+    return get_arch(arch), None
+
+
+# --------------------------------------------------------------------------------------
+# The GPU in hand
+# --------------------------------------------------------------------------------------
+
+# Reported memory may sit below the datasheet figure (ECC, driver and OS reservations:
+# e.g. 139.8 GiB on a 141 GB H200, ~119 GiB of a DGX Spark's 128 GB). Beyond this
+# fraction it is a different part (A100 40GB read as the catalogued 80GB) or a MIG slice.
+_MEMORY_TOLERANCE = 0.15
+
+
+@dataclass(frozen=True)
+class Detected:
+    """What was read from a device, its catalogue matches, and where the two differ."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    smem_per_block_optin: int | None  # None when torch does not expose it
+    total_memory_gib: float
+    arch: Arch | None  # by capability; None when not in the catalogue
+    gpu: GPU | None  # by name; None when not in the catalogue
+    differences: tuple[str, ...]  # human sentences; empty when all agrees
+
+
+def compare(
+    name: str,
+    capability: tuple[int, int],
+    sm_count: int,
+    smem_optin: int | None,
+    total_memory_gib: float,
+) -> Detected:
+    """Match device properties against the catalogue and list every disagreement.
+
+    A pure function (no GPU needed): ``detect`` calls it with what torch reports.
+    """
+    capability = (int(capability[0]), int(capability[1]))
+    major, minor = capability
+    differences: list[str] = []
+
+    arch = _ARCH_BY_CAPABILITY.get(capability)
+    if arch is None:
+        if capability < (8, 0):
+            differences.append(
+                f"compute capability {major}.{minor} is not supported: fp4moe supports SM80 and newer"
+            )
+        else:
+            differences.append(
+                f"compute capability {major}.{minor} (sm{major}{minor}) is not in the catalogue "
+                f"(known archs: {_known_archs()})"
+            )
+
+    try:
+        gpu: GPU | None = find_gpu(name)
+    except ValueError:
+        gpu = None
+        limits = f"the {arch.name} limits apply" if arch is not None else "no limits are known"
+        differences.append(f"{name!r} is not in the catalogue of GPUs; {limits}")
+
+    if gpu is not None:
+        if gpu.arch.capability != capability:
+            cat_major, cat_minor = gpu.arch.capability
+            differences.append(
+                f"{name!r} reports compute capability {major}.{minor}; "
+                f"the catalogue's {gpu.name} is {cat_major}.{cat_minor} ({gpu.arch.name})"
+            )
+        if sm_count != gpu.sm_count:
+            differences.append(
+                f"{name!r} reports {sm_count} SMs; the catalogue's {gpu.name} has {gpu.sm_count} "
+                f"(a cut-down variant, a MIG slice, or a different product)"
+            )
+        if abs(total_memory_gib - gpu.memory_gib) > _MEMORY_TOLERANCE * gpu.memory_gib:
+            differences.append(
+                f"{name!r} reports {total_memory_gib:.1f} GiB of memory; the catalogue's {gpu.name} "
+                f"has {gpu.memory_gib:g} (a different memory variant or a MIG slice)"
+            )
+
+    if arch is not None and smem_optin is not None and smem_optin != arch.smem_per_block_optin:
+        differences.append(
+            f"{name!r} reports {smem_optin} B of opt-in shared memory per block; "
+            f"{arch.name} in the catalogue allows {arch.smem_per_block_optin} B"
+        )
+
+    return Detected(
+        name=name,
+        capability=capability,
+        sm_count=sm_count,
+        smem_per_block_optin=smem_optin,
+        total_memory_gib=total_memory_gib,
+        arch=arch,
+        gpu=gpu,
+        differences=tuple(differences),
+    )
+
+
+def detect(device: int | None = None) -> Detected | None:
+    """Read the CUDA device ``device`` (default: the current one) and compare it with the catalogue.
+
+    Returns None when CUDA is not available.
+    """
+    import torch  # imported here: the catalogue itself needs no torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(index)
+    smem_optin = getattr(props, "shared_memory_per_block_optin", None)
+    return compare(
+        name=props.name,
+        capability=(props.major, props.minor),
+        sm_count=props.multi_processor_count,
+        smem_optin=int(smem_optin) if smem_optin is not None else None,
+        total_memory_gib=props.total_memory / 2**30,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# JSON
+# --------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, Arch):
+            out["triton_target"] = list(value.triton_target)
+        return out
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"as_dict: cannot serialise {type(value).__name__} value {value!r}")
+
+
+def as_dict(obj: Arch | GPU | Detected) -> dict[str, Any]:
+    """A JSON-serialisable dict of an ``Arch``, ``GPU`` or ``Detected`` (tuples become lists).
+
+    A GPU's or Detected's arch is nested in full; an ``Arch`` also carries its
+    ``triton_target``.
+    """
+    if not isinstance(obj, (Arch, GPU, Detected)):
+        raise TypeError(f"as_dict: argument 'obj' must be an Arch, GPU or Detected; received {type(obj).__name__}")
+    result = _plain(obj)
+    assert isinstance(result, dict)
+    return result
