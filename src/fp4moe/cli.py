@@ -20,6 +20,15 @@ app = typer.Typer(
 
 console = Console()
 
+
+def _mount_subcommands() -> None:
+    from .bench.cli import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
+_mount_subcommands()
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for machines instead of tables.")]
 
 

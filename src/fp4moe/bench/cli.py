@@ -1,0 +1,154 @@
+"""``fp4moe bench``: run a benchmark, print a table, write benchmarks/<name>-<gpu>.json and .md.
+
+The lead mounts it with ``app.add_typer(bench_app, name="bench")`` in ``fp4moe.cli``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..formats import get_format
+from .linear import DEFAULT_MS, GLM5_SHAPES, MODES, QUICK_MS, bench_ceilings, run_linear_bench, run_quantize_bench
+from .report import environment, one_line, write_results
+
+__all__ = ["bench_app", "parse_ms", "parse_shapes", "parse_modes"]
+
+bench_app = typer.Typer(
+    name="bench",
+    help="Benchmarks held against ceilings measured in the same run; results go to benchmarks/.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+NO_GPU = "fp4moe bench needs a CUDA GPU; none found"
+
+
+@bench_app.callback()
+def _bench() -> None:
+    """Benchmarks held against ceilings measured in the same run; results go to benchmarks/."""
+
+
+def parse_ms(text: str) -> tuple[int, ...]:
+    """'1, 16,256' -> (1, 16, 256): positive token counts separated by commas."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"expected positive integers separated by commas, e.g. 1,16,256; got {text!r}",
+                                 param_hint="--m")
+    return values
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """'12288x6144,4096x6144' -> ((12288, 6144), (4096, 6144)): weight shapes N x K."""
+    shapes = []
+    for part in text.split(","):
+        dims = part.strip().lower().replace("×", "x").split("x")
+        try:
+            n, k = (int(d) for d in dims)
+        except ValueError:
+            n = k = 0
+        if n < 1 or k < 1:
+            raise typer.BadParameter(f"expected weight shapes NxK separated by commas, e.g. 12288x6144,4096x6144; "
+                                     f"got {part.strip()!r} in {text!r}", param_hint="--shapes")
+        shapes.append((n, k))
+    return tuple(shapes)
+
+
+def parse_modes(text: str) -> tuple[str, ...]:
+    """'w4a16,w4a4' -> ('w4a16', 'w4a4')."""
+    modes = tuple(part.strip().lower() for part in text.split(","))
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise typer.BadParameter(f"expected modes from {', '.join(MODES)} separated by commas; got {text!r}",
+                                 param_hint="--modes")
+    return modes
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _linear_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="fp4_linear vs torch bf16 matmul")
+    for col in ("shape N×K", "M", "mode", "µs", "of weight-read bound", "of roofline", "TFLOP/s", "torch µs",
+                "speed-up", "config / error"):
+        table.add_column(col, justify="left" if col in ("shape N×K", "mode", "config / error") else "right")
+    for r in rows:
+        if r.get("error"):
+            table.add_row(r["shape"], str(r["M"]), r["mode"], *["—"] * 4, _f(r["torch_us"], ".1f"), "—",
+                          f"[red]{one_line(r['error'], 60)}[/red]")
+            continue
+        table.add_row(r["shape"], str(r["M"]), r["mode"], _f(r["us"], ".1f"), _f(r["frac_weight_bound"], ".0%"),
+                      _f(r["frac_roofline"], ".0%"), _f(r["tflops"], ".1f"), _f(r["torch_us"], ".1f"),
+                      _f(r["speedup"], ".2f"), r.get("config") or "")
+    return table
+
+
+def _quantize_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="quantize_activations (bf16 -> NVFP4)")
+    for col in ("shape M×K", "global scale", "µs", "GB/s", "of copy bandwidth", "error"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["shape"], r["global_scale"], _f(r["us"], ".1f"), _f(r["gbs"], ",.0f"),
+                      _f(r["frac_copy"], ".0%"), one_line(r.get("error") or "", 60))
+    return table
+
+
+@bench_app.command()
+def linear(
+    m: Annotated[Optional[str], typer.Option(
+        "--m", help="Token counts M, e.g. 1,4,16 (default 1..16384; --quick: 1,16,256,4096).")] = None,
+    shapes: Annotated[Optional[str], typer.Option(
+        help="Weight shapes NxK, e.g. 12288x6144,4096x6144 (default: the GLM-5 shapes).")] = None,
+    modes: Annotated[str, typer.Option(help="Modes: w4a16 (bf16 activations), w4a4 (FP4 activations).")] = "w4a16,w4a4",
+    fmt: Annotated[str, typer.Option(help="Weight format: nvfp4 or mxfp4.")] = "nvfp4",
+    out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
+    quick: Annotated[bool, typer.Option(help="Fewer M and repetitions; writes linear-quick-<gpu>.* instead.")] = False,
+) -> None:
+    """Time fp4_linear for each shape, M and mode against torch bf16 and the measured roofline."""
+    ms = parse_ms(m) if m is not None else (QUICK_MS if quick else DEFAULT_MS)
+    shape_list = parse_shapes(shapes) if shapes is not None else GLM5_SHAPES
+    mode_list = parse_modes(modes)
+    try:
+        fmt = get_format(fmt).name
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--fmt") from None
+    block = get_format(fmt).block_size
+    for n, k in shape_list:
+        if k % block:
+            raise typer.BadParameter(f"K={k} of {n}x{k} is not a multiple of the {fmt} block size {block}",
+                                     param_hint="--shapes")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
+        raise typer.Exit(2)
+
+    console = Console()
+    if not console.is_terminal:  # a log file: do not squeeze the tables into 80 columns
+        console = Console(width=160)
+    env = environment()
+    console.print(f"{env['gpu']} (sm {env['capability']}), torch {env['torch']}, triton {env['triton']}, "
+                  f"commit {env['commit'][:12]}")
+    ceilings = bench_ceilings()
+    console.print(f"ceilings: copy {ceilings['copy_gbs']:,.0f} GB/s, "
+                  f"bf16 matmul {ceilings['bf16_tflops']:,.0f} TFLOP/s, L2 {ceilings['l2_bytes'] / 2**20:.0f} MiB")
+    timing = {"reps": 10, "iters_per_graph": 10, "budget_ms": 150.0} if quick else {}
+    rows = run_linear_bench(shape_list, ms, mode_list, fmt, ceilings=ceilings, console=console, **timing)
+    if "w4a4" in mode_list:
+        rows += run_quantize_bench(ceilings=ceilings, console=console, **timing)
+    json_path, md_path = write_results("linear-quick" if quick else "linear", env, rows, out, ceilings=ceilings)
+    console.print(_linear_table([r for r in rows if r["kind"] == "linear"]))
+    if any(r["kind"] == "quantize" for r in rows):
+        console.print(_quantize_table([r for r in rows if r["kind"] == "quantize"]))
+    console.print(f"wrote {json_path} and {md_path}")

@@ -1,0 +1,281 @@
+"""Benchmarks of the FP4 linear layer and of the activation quantizer, against torch bf16.
+
+One row per (shape, M, mode). Weights rotate through enough copies to exceed 4 x L2 (see
+``timing``), so small-M rows measure HBM streaming, not L2 hits; x stays put, as the previous
+layer's output would. Every time comes from ``timing.time_cuda_graph``; every ratio from
+``roofline``. A failing row records ``"error: ..."`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from rich.console import Console
+
+from ..formats import FP4Format, get_format
+from . import roofline as rl
+from .report import one_line
+from .timing import TimingResult, l2_bytes, measure_ceilings, rotating, rotation_count, time_cuda_graph
+
+__all__ = [
+    "GLM5_SHAPES",
+    "DEFAULT_MS",
+    "QUICK_MS",
+    "MODES",
+    "bench_ceilings",
+    "linear_metrics",
+    "run_linear_bench",
+    "run_quantize_bench",
+]
+
+#: GLM-5 linear shapes N x K (hidden size 6144): the layer's weight is [N, K].
+GLM5_SHAPES: tuple[tuple[int, int], ...] = ((12288, 6144), (6144, 12288), (4096, 6144), (6144, 2048))
+#: Token counts from single-token decode to long prefill.
+DEFAULT_MS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+QUICK_MS: tuple[int, ...] = (1, 16, 256, 4096)
+MODES: tuple[str, ...] = ("w4a16", "w4a4")
+
+
+def bench_ceilings() -> dict[str, Any]:
+    """Measured copy bandwidth, bf16 peak and L2 size, plus the datasheet FP4 peak where FP4 MMA exists.
+
+    No FP4 peak can be measured without the kernel under test, so W4A4 rows on chips with FP4
+    tensor cores are held against the catalogue's dense FP4 figure (labelled as such).
+    """
+    from .. import arch
+
+    ceilings: dict[str, Any] = dict(measure_ceilings())
+    detected = arch.detect()
+    gpu = detected.gpu if detected else None
+    ceilings["fp4_tflops_datasheet"] = gpu.fp4_dense_tflops if gpu is not None else None
+    return ceilings
+
+
+def _peak(mode: str, ceilings: Mapping[str, Any]) -> float:
+    fp4 = ceilings.get("fp4_tflops_datasheet")
+    return float(fp4) if mode == "w4a4" and fp4 else float(ceilings["bf16_tflops"])
+
+
+def linear_metrics(
+    M: int, N: int, K: int, fmt: str | FP4Format, mode: str, us: float, ceilings: Mapping[str, Any],
+    torch_us: float | None = None,
+) -> dict[str, float | None]:
+    """Derived numbers of one timed linear: bandwidth, throughput and fractions of the bounds.
+
+    ``frac_weight_bound``: (FP4 weight + scale bytes / copy bandwidth) / time.
+    ``frac_roofline``: max(least bytes / copy bandwidth, FLOPs / peak) / time, with the peak of
+    ``_peak`` (measured bf16; datasheet FP4 for W4A4 where the chip has FP4 MMA).
+    """
+    bandwidth = float(ceilings["copy_gbs"])
+    weight = rl.fp4_weight_bytes(N, K, fmt)
+    flops = rl.linear_flops(M, N, K)
+    bound = rl.roofline_us(rl.linear_bytes(M, N, K, fmt), flops, bandwidth, _peak(mode, ceilings))
+    return {
+        "weight_gbs": rl.gbs(weight, us),
+        "tflops": rl.tflops(flops, us),
+        "frac_weight_bound": rl.fraction(us, weight / (bandwidth * 1e3)),
+        "frac_roofline": rl.fraction(us, bound),
+        "speedup": None if torch_us is None else torch_us / us,
+    }
+
+
+def _error(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"error: {type(err).__name__}" + (f": {lines[0][:200]}" if lines else "")
+
+
+def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None) -> str:
+    """``str(choose_config(...))`` of ops.linear, as ``fp4_linear`` would choose it; "" where there is none."""
+    try:
+        from ..ops import linear as ops_linear  # written in parallel; may not exist yet
+    except ImportError:
+        return ""
+    choose = getattr(ops_linear, "choose_config", None)
+    try:
+        if choose is None:
+            return ""
+        if hasattr(ops_linear, "choose_path"):  # choose_config(M, N, K, *, path, arch, sm_count)
+            return str(choose(M, N, K, path=ops_linear.choose_path(mode, chip), arch=chip, sm_count=sm_count))
+        return str(choose(M, N, K, mode=mode, arch=chip))
+    except Exception as err:  # a config failure is worth seeing, but the row stays a timing
+        return _error(err)
+
+
+def _linear_row(shape: str, M: int, mode: str, fmt: str) -> dict[str, Any]:
+    keys = ("us", "p10_us", "p90_us", "torch_us", "speedup", "weight_gbs", "tflops", "frac_weight_bound",
+            "frac_roofline", "graph", "config", "error")
+    return {"kind": "linear", "shape": shape, "M": M, "mode": mode, "fmt": fmt, **dict.fromkeys(keys)}
+
+
+def _progress(console: Console, row: Mapping[str, Any]) -> None:
+    label = f"{row['kind']} {row['shape']} M={row['M']:<5} {row.get('mode') or 'scale=' + str(row.get('global_scale'))}"
+    if row.get("error"):
+        console.print(f"{label}: [red]{one_line(row['error'])}[/red]")
+        return
+    torch_us = row.get("torch_us")
+    torch_part = f", torch {torch_us:.1f} µs" if torch_us else ""
+    frac = row.get("frac_weight_bound", row.get("frac_copy"))
+    console.print(f"{label}: {row['us']:.1f} µs, {frac:.0%} of the bound{torch_part}")
+
+
+def _timing_kwargs(reps: int, iters_per_graph: int, budget_ms: float | None, n_sets: int) -> dict[str, Any]:
+    return {"reps": reps, "iters_per_graph": max(iters_per_graph, n_sets), "budget_ms": budget_ms}
+
+
+def run_linear_bench(
+    shapes: Sequence[tuple[int, int]] = GLM5_SHAPES,
+    ms: Sequence[int] = DEFAULT_MS,
+    modes: Sequence[str] = MODES,
+    fmt: str = "nvfp4",
+    *,
+    ceilings: Mapping[str, Any] | None = None,
+    reps: int = 30,
+    iters_per_graph: int = 20,
+    budget_ms: float | None = 400.0,
+    torch_baseline: bool = True,
+    console: Console | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Time ``fp4_linear(x, w, mode=...)`` and ``torch.matmul(x, w_bf16.t())`` for each (shape, M, mode).
+
+    Weights are random bf16 [N, K] quantized with ``fp4moe.quantize(w, fmt)`` on the GPU; W4A4
+    with NVFP4 gets a static ``input_global_scale`` (amax(x) / (6 * 448)) as calibrated
+    checkpoints carry. The torch baseline is skipped (None) when it would not fit in memory.
+    ``budget_ms`` bounds each timing's replays (see ``time_cuda_graph``). ``ceilings`` defaults
+    to :func:`bench_ceilings`, measured now. Progress goes to ``console`` (a new rich Console).
+    """
+    import torch
+
+    from .. import arch
+    from ..quantize import quantize
+
+    fmt = get_format(fmt).name
+    console = console or Console()
+    ceilings = ceilings if ceilings is not None else bench_ceilings()
+    detected = arch.detect()
+    chip = detected.arch if detected else None
+    sm_count = detected.sm_count if detected else None
+    l2 = int(ceilings.get("l2_bytes") or l2_bytes())
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows: list[dict[str, Any]] = []
+    for N, K in shapes:
+        shape = f"{N}x{K}"
+        try:
+            w = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen), fmt)
+            n_fp4 = rotation_count(rl.fp4_weight_bytes(N, K, fmt), l2)
+            fp4_sets = [(w,)] + [(replace(w, data=w.data.clone(), scales=w.scales.clone()),) for _ in range(n_fp4 - 1)]
+        except Exception as err:
+            for M in ms:
+                for mode in modes:
+                    rows.append({**_linear_row(shape, M, mode, fmt), "error": _error(err)})
+                    _progress(console, rows[-1])
+            continue
+        bf16_sets = _bf16_sets(w, l2) if torch_baseline else []
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+            torch_us = _time_torch(x, bf16_sets, N, reps, iters_per_graph, budget_ms)
+            for mode in modes:
+                row = {**_linear_row(shape, M, mode, fmt), "torch_us": torch_us}
+                try:
+                    timing = _timing_kwargs(reps, iters_per_graph, budget_ms, len(fp4_sets))
+                    t = _time_fp4(x, fp4_sets, mode, fmt, timing)
+                    row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
+                               config=_config(M, N, K, mode, chip, sm_count))
+                    row.update(linear_metrics(M, N, K, fmt, mode, t.median_us, ceilings, torch_us))
+                except Exception as err:
+                    row["error"] = _error(err)
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                _progress(console, row)
+            del x
+        del w, fp4_sets, bf16_sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _time_fp4(x: Any, fp4_sets: Sequence[tuple[Any]], mode: str, fmt: str, timing: Mapping[str, Any]) -> TimingResult:
+    from ..ops.linear import fp4_linear  # written in parallel: imported when used
+    from ..quantize import nvfp4_global_scale
+
+    gs = nvfp4_global_scale(x.abs().amax()) if mode == "w4a4" and fmt == "nvfp4" else None
+    call = functools.partial(_fp4_call, fp4_linear, x, mode=mode, input_global_scale=gs)
+    return time_cuda_graph(rotating(call, fp4_sets), **timing)
+
+
+def _fp4_call(fp4_linear: Any, x: Any, w: Any, *, mode: str, input_global_scale: Any) -> Any:
+    return fp4_linear(x, w, mode=mode, input_global_scale=input_global_scale)
+
+
+def _bf16_sets(w: Any, l2: int) -> list[tuple[Any]]:
+    """Rotating copies of the dequantized weight for the torch baseline; [] when they do not fit."""
+    import torch
+
+    try:
+        w_bf16 = w.dequantize(torch.bfloat16)
+        n = rotation_count(w_bf16.numel() * 2, l2)
+        if (n - 1) * w_bf16.numel() * 2 > torch.cuda.mem_get_info()[0] // 2:
+            return []
+        return [(w_bf16,)] + [(w_bf16.clone(),) for _ in range(n - 1)]
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return []
+
+
+def _time_torch(x: Any, sets: Sequence[tuple[Any]], N: int, reps: int, iters: int,
+                budget_ms: float | None) -> float | None:
+    """Median µs of ``torch.matmul(x, w_bf16.t())``; None when skipped or failing (memory)."""
+    import torch
+
+    if not sets or x.shape[0] * N * 2 > torch.cuda.mem_get_info()[0] // 2:
+        return None
+    try:
+        t = time_cuda_graph(rotating(lambda w: torch.matmul(x, w.t()), sets),
+                            **_timing_kwargs(reps, iters, budget_ms, len(sets)))
+    except Exception:  # the baseline is context, not the subject: its row still gets the fp4 time
+        torch.cuda.empty_cache()
+        return None
+    return t.median_us
+
+
+def run_quantize_bench(
+    M: int = 16384,
+    K: int = 6144,
+    *,
+    ceilings: Mapping[str, Any],
+    reps: int = 30,
+    iters_per_graph: int = 20,
+    budget_ms: float | None = 400.0,
+    console: Console | None = None,
+) -> list[dict[str, Any]]:
+    """Time ``ops.quantize.quantize_activations(x, global_scale)`` on bf16 [M, K], with and without a scale.
+
+    Bytes counted: read x (2MK) + write codes (MK/2) + E4M3 scales (MK/16), whatever passes the
+    kernel makes; without a given scale the amax pass is part of the measured time.
+    """
+    import torch
+
+    from ..quantize import nvfp4_global_scale
+
+    console = console or Console()
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * M * K + M * K // 2 + M * K // 16
+    rows = []
+    for label, scale in (("given", nvfp4_global_scale(x.abs().amax())), ("none", None)):
+        row: dict[str, Any] = {"kind": "quantize", "shape": f"{M}x{K}", "M": M, "global_scale": label,
+                               **dict.fromkeys(("us", "p10_us", "p90_us", "gbs", "frac_copy", "graph", "error"))}
+        try:
+            from ..ops.quantize import quantize_activations  # written in parallel: imported when used
+
+            t = time_cuda_graph(functools.partial(quantize_activations, x, scale),
+                                reps=reps, iters_per_graph=iters_per_graph, budget_ms=budget_ms)
+            row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
+                       gbs=rl.gbs(nbytes, t.median_us),
+                       frac_copy=rl.fraction(t.median_us, nbytes / (float(ceilings["copy_gbs"]) * 1e3)))
+        except Exception as err:
+            row["error"] = _error(err)
+        rows.append(row)
+        _progress(console, row)
+    return rows

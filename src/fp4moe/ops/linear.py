@@ -1,0 +1,371 @@
+"""FP4 linear layer: configuration, path choice, launcher, torch reference and custom op.
+
+Layers, from the bottom: ``kernels.linear.fp4_linear_kernel`` (the @triton.jit body) ->
+``launch_linear`` (grid, strides, one launch) -> ``fp4moe::linear`` (torch.library custom op
+with a fake implementation, so torch.compile and CUDA graphs see a plain op) ->
+``fp4_linear`` (the public function) -> ``fp4moe.nn.FP4Linear`` (the module).
+``fp4_linear_reference`` beside them defines the numerics.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .. import guard
+from ..arch import Arch
+from ..formats import NVFP4, FP4Format, get_format
+from ..quantize import FP4Tensor, dequantize, quantize
+
+Mode = Literal["w4a16", "w4a4"]
+Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
+_ACT_CODE = {"w4a16": 0, "w4a4_emulated": 1, "w4a4_native": 2}
+_X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Tile shape and launch parameters of ``fp4_linear_kernel``.
+
+    block_n: weight rows per program (the MMA's M side); block_m: tokens per program;
+    block_k: K elements per loop step (a multiple of the format's block size and of 64);
+    split_k: programs sharing one output tile along K (>1 writes fp32 partials that a second,
+    deterministic kernel adds): more programs in flight when N alone does not fill the GPU.
+    """
+
+    block_n: int
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_m", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"LinearConfig.{name}: expected a power of two >= 16, got {v}")
+        if self.block_k < 64:
+            raise ValueError(f"LinearConfig.block_k: expected >= 64, got {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"LinearConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"LinearConfig.num_stages: expected 1..8, got {self.num_stages}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"LinearConfig.split_k: expected 1..64, got {self.split_k}")
+
+    def __str__(self) -> str:
+        split = f"_split{self.split_k}" if self.split_k > 1 else ""
+        return f"n{self.block_n}_m{self.block_m}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}{split}"
+
+    @staticmethod
+    def from_heuristic(M: int, N: int, K: int, *, path: Path, arch: Arch | None, sm_count: int | None = None) -> LinearConfig:
+        return choose_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
+
+
+def choose_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None, sm_count: int | None = None) -> LinearConfig:
+    """The one place where a configuration is chosen from the problem and the target.
+
+    Decode (M <= 64) is bound by reading W: small ``block_n`` so that N / block_n gives every
+    SM two or more programs, and a long ``block_k`` so each program streams wide rows.
+    Prefill is bound by the tensor cores: 128x128 tiles, software-pipelined.
+    """
+    sms = sm_count or 132
+    if path == "w4a4_native" and arch is not None and arch.fp4_mma == "tcgen05":
+        # tcgen05 MMAs are 64 or 128 rows tall (the weight side here). Not tuned on silicon.
+        return LinearConfig(block_n=128, block_m=16 if M <= 16 else (64 if M <= 64 else 128), block_k=128,
+                            num_warps=4 if M <= 64 else 8, num_stages=3)
+    if M <= 256:
+        # H200 sweep (scripts/sweep_linear.py; benchmarks/): 64-row weight tiles, 4 warps, no
+        # cp.async pipeline (num_stages=1: loads land in the coalesced layout the decoder wants,
+        # 5-15% faster here); each program is bound by its in-register decoding, so K is split
+        # until there are ~2 programs per SM (split 2-4 at GLM-5 shapes).
+        block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+        block_k = 256 if M <= 16 else 128
+        tiles = -(-N // 64) * -(-M // block_m)
+        split = 1
+        while tiles * split < 1.9 * sms and K // (block_k * split * 2) >= 2:
+            split *= 2
+        return LinearConfig(block_n=64, block_m=block_m, block_k=block_k, num_warps=4, num_stages=1, split_k=split)
+    # prefill: 128 weight rows x 256 tokens per program was the fastest tile on the H200 (wgmma);
+    # with mma.sync (SM80/89/120) that tile spills registers, 128 x 128 does not
+    if arch is None or arch.bf16_mma == "wgmma":
+        return LinearConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3)
+    return LinearConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_arch(device: torch.device) -> Arch | None:
+    """The catalogue architecture of a CUDA device; None for CPU (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    from ..arch import arch_for_capability
+
+    return arch_for_capability(torch.cuda.get_device_capability(device))
+
+
+def choose_path(mode: Mode, arch: Arch | None) -> Path:
+    """W4A16 everywhere; W4A4 on native FP4 MMA where the architecture has it, else emulated."""
+    if mode == "w4a16":
+        return "w4a16"
+    if arch is not None and arch.fp4_mma != "none" and not _interpreting():
+        return "w4a4_native"
+    return "w4a4_emulated"
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_inputs(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(w, FP4Tensor):
+        raise TypeError(f"w: expected an FP4Tensor (fp4moe.quantize), got {type(w).__name__}")
+    if mode not in ("w4a16", "w4a4"):
+        raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    if x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x: expected last dimension K={w.shape[1]} (from w {tuple(w.shape)}), got {tuple(x.shape)}")
+    if mode == "w4a4" and w.fmt is not NVFP4:
+        raise ValueError(f"w: mode 'w4a4' needs NVFP4 weights, got {w.fmt}")
+    if x.device != w.device:
+        raise ValueError(f"x and w: expected the same device, got x on {x.device} and w on {w.device}")
+    if x.device.type == "cpu" and not _interpreting():
+        raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); move x and w to a CUDA device")
+    if bias is not None:
+        if bias.shape != (w.shape[0],):
+            raise ValueError(f"bias: expected shape ({w.shape[0]},), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"bias: expected device {x.device}, got {bias.device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+
+
+def launch_linear(
+    x2: torch.Tensor,
+    xq: FP4Tensor | None,
+    w: FP4Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    path: Path,
+    config: LinearConfig,
+) -> torch.Tensor:
+    """One launch of the kernel. x2 is [M, K] with unit stride along K (W4A16) or xq its NVFP4
+    quantization (W4A4); out is [M, N] with unit stride along N."""
+    import triton
+
+    from ..kernels.linear import fp4_linear_kernel
+
+    M, K = x2.shape
+    N = w.shape[0]
+    act = _ACT_CODE[path]
+    w_scales = w.scales.view(torch.uint8)
+    wg = w.global_scale if w.global_scale is not None else w_scales  # unused placeholder pointer
+    if act == 0:
+        x_arg, xs_arg, xg_arg = x2, w_scales, wg
+        stride_xm, stride_xsm = x2.stride(0), 0
+        compute = _tl_dtype(x2.dtype)
+    else:
+        assert xq is not None
+        x_arg, xs_arg, xg_arg = xq.data, xq.scales.view(torch.uint8), xq.global_scale
+        stride_xm, stride_xsm = xq.data.stride(0), xq.scales.stride(0)
+        compute = _tl_dtype(torch.bfloat16)
+    split = min(config.split_k, triton.cdiv(K, config.block_k))
+    k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_per_split)
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
+    bias_arg = bias if bias is not None else w_scales
+    grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m), split)
+    fp4_linear_kernel[grid](
+        x_arg, xs_arg, xg_arg, w.data, w_scales, wg, bias_arg, target,
+        M, N, K,
+        stride_xm, stride_xsm, w.data.stride(0), w_scales.stride(0), out.stride(0), k_per_split,
+        BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+        GROUP=w.block_size, W_E4M3=w.fmt.scale_kind == "e4m3", ACT=act,
+        HAS_WG=w.global_scale is not None, HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, SPLIT_K=split,
+        FAST_DECODE=_fast_decode(path, x2.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        from ..kernels.linear import splitk_reduce_kernel
+
+        block = 1024
+        splitk_reduce_kernel[(M, triton.cdiv(N, block))](
+            target, bias_arg, out, M, N, out.stride(0),
+            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+        )
+    return out
+
+
+def _fast_decode(path: Path, x_dtype: torch.dtype) -> bool:
+    """The inline-PTX decoder serves bf16 operands in compiled kernels (not the interpreter)."""
+    return not _interpreting() and path != "w4a4_native" and (path == "w4a4_emulated" or x_dtype == torch.bfloat16)
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    if _interpreting():  # the interpreter's bf16 tl.dot is wrong (Triton 3.6); values are exact in fp32
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _quantize_x(x2: torch.Tensor, input_global_scale: torch.Tensor | None) -> FP4Tensor:
+    from .quantize import quantize_activations
+
+    return quantize_activations(x2, input_global_scale)
+
+
+def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mode,
+             input_global_scale: torch.Tensor | None, config: LinearConfig | None) -> torch.Tensor:
+    """Validate, choose path and configuration, guard on first use, launch."""
+    _check_inputs(x, w, bias, mode)
+    N, K = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.reshape(*lead, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    arch = device_arch(x.device)
+    path = choose_path(mode, arch)
+    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
+    cfg = config or choose_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
+    key = guard.GuardKey(kernel=f"fp4_linear[{path},{w.fmt},{x.dtype}]".replace("torch.", ""),
+                         config=str(cfg), device=guard.device_name(x.device))
+    if guard.should_check(key):
+        guard.check(key, lambda: _probe(x.device, x.dtype, w.fmt, mode, path, cfg))
+    if guard.use_reference(key):
+        return fp4_linear_reference(x, w, bias, mode=mode, input_global_scale=input_global_scale)
+    xq = _quantize_x(x2, input_global_scale) if path != "w4a16" else None
+    launch_linear(x2, xq, w, bias, out, path, cfg)
+    return out.reshape(*lead, N)
+
+
+def _probe(device: torch.device, dtype: torch.dtype, fmt: FP4Format, mode: Mode, path: Path,
+           cfg: LinearConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small problem run through the same kernel, path and configuration, and its reference."""
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    M, N, K = 5, max(cfg.block_n, 32) + 16, 2 * cfg.block_k + 64
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
+    w = quantize(torch.randn(N, K, generator=g), fmt).to(device)
+    bias = torch.randn(N, generator=g).to(device=device, dtype=dtype)
+    out = torch.empty((M, N), dtype=dtype, device=device)
+    xq = _quantize_x(x, None) if path != "w4a16" else None
+    launch_linear(x, xq, w, bias, out, path, cfg)
+    return out, fp4_linear_reference(x, w, bias, mode=mode)
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+
+
+def fp4_linear_reference(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, *, mode: Mode = "w4a16",
+                         input_global_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """The numerics every path must match: fp32 product of the dequantized operands.
+
+    W4A16: ``x @ dequantize(W)^T``. W4A4: x is first quantized to NVFP4 with ``fp4moe.quantize``
+    (global scale given or amax / 2688), then both operands are dequantized. Output in x's dtype.
+    """
+    _check_inputs_reference(x, w, mode)
+    wf = dequantize(w, torch.float32)
+    xf = x.to(torch.float32)
+    if mode == "w4a4":
+        xf = dequantize(quantize(x.reshape(-1, x.shape[-1]), NVFP4, input_global_scale), torch.float32).reshape(x.shape)
+    y = xf @ wf.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def _check_inputs_reference(x: torch.Tensor, w: FP4Tensor, mode: str) -> None:
+    if not isinstance(w, FP4Tensor):
+        raise TypeError(f"w: expected an FP4Tensor, got {type(w).__name__}")
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"x: expected last dimension K={w.shape[-1]}, got {tuple(x.shape)}")
+    if mode == "w4a4" and w.fmt is not NVFP4:
+        raise ValueError(f"w: mode 'w4a4' needs NVFP4 weights, got {w.fmt}")
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom op
+
+
+@torch.library.custom_op("fp4moe::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, w_data: torch.Tensor, w_scales: torch.Tensor, w_global: torch.Tensor | None,
+               k: int, fmt: str, mode: str, bias: torch.Tensor | None,
+               input_global_scale: torch.Tensor | None) -> torch.Tensor:
+    w = FP4Tensor(data=w_data, scales=w_scales, global_scale=w_global, shape=torch.Size((w_data.shape[0], k)),
+                  fmt=get_format(fmt))
+    return _forward(x, w, bias, mode, input_global_scale, None)  # type: ignore[arg-type]
+
+
+@_linear_op.register_fake
+def _linear_fake(x, w_data, w_scales, w_global, k, fmt, mode, bias, input_global_scale):
+    return x.new_empty((*x.shape[:-1], w_data.shape[0]))
+
+
+def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, *, mode: Mode = "w4a16",
+               config: LinearConfig | None = None,
+               input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = x @ W^T (+ bias)`` with W an FP4Tensor [N, K].
+
+    Args:
+        x: [..., K] bfloat16 or float16 (any strides).
+        w: NVFP4 or MXFP4 weight [N, K].
+        mode: "w4a16" (weights decoded to x's dtype) or "w4a4" (x quantized to NVFP4 per call;
+            NVFP4 weights only).
+        config: pin a configuration (tests, tuning); None chooses one for the problem and GPU.
+        input_global_scale: W4A4 only: a static activation global scale (fp32 one-element tensor,
+            e.g. a checkpoint's ``input_scale``); None computes amax / (6 * 448) per call.
+    """
+    if config is not None:
+        return _forward(x, w, bias, mode, input_global_scale, config)
+    if not isinstance(w, FP4Tensor):
+        raise TypeError(f"w: expected an FP4Tensor (fp4moe.quantize), got {type(w).__name__}")
+    if isinstance(input_global_scale, (int, float)):
+        input_global_scale = torch.tensor([float(input_global_scale)], dtype=torch.float32, device=x.device)
+    return _linear_op(x, w.data, w.scales, w.global_scale, w.shape[1], w.fmt.name, mode, bias, input_global_scale)
+
+
+__all__ = ["LinearConfig", "choose_config", "choose_path", "fp4_linear", "fp4_linear_reference", "launch_linear"]
+
+
+def compile_request(config: LinearConfig, path: Path, fmt: str | FP4Format, cc: int,
+                    x_dtype: torch.dtype = torch.bfloat16, has_bias: bool = False):
+    """The cross-compilation request (``fp4moe.plan.crosscompile``) for one configuration and target."""
+    from ..plan.crosscompile import CompileRequest
+
+    fmt = get_format(fmt)
+    xt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[x_dtype]
+    act = _ACT_CODE[path]
+    signature = {
+        "x_ptr": f"*{xt}" if act == 0 else "*u8", "xs_ptr": "*u8", "xg_ptr": "*fp32", "w_ptr": "*u8",
+        "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": f"*{xt}", "y_ptr": f"*{xt}",
+        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xsm": "i32", "stride_wn": "i32",
+        "stride_wsn": "i32", "stride_ym": "i32", "k_per_split": "i32",
+    }
+    constexprs = {
+        "BLOCK_N": config.block_n, "BLOCK_M": config.block_m, "BLOCK_K": config.block_k,
+        "GROUP": fmt.block_size, "W_E4M3": fmt.scale_kind == "e4m3", "ACT": act,
+        "HAS_WG": fmt.has_global_scale, "HAS_BIAS": has_bias, "COMPUTE_DTYPE": xt if act == 0 else "bf16",
+        "SPLIT_K": config.split_k, "FAST_DECODE": path != "w4a4_native" and (act == 1 or x_dtype == torch.bfloat16),
+    }
+    divisible = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym",
+                 "k_per_split")
+    return CompileRequest(kernel="fp4moe.kernels.linear:fp4_linear_kernel", signature=signature,
+                          constexprs=constexprs, cc=cc, num_warps=config.num_warps, num_stages=config.num_stages,
+                          divisible_by_16=divisible)

@@ -1,0 +1,208 @@
+"""FP4 linear kernels against the torch reference: interpreter on CPU, real sizes on the GPU."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fp4moe
+from fp4moe import guard
+from fp4moe.guard import TOLERANCES
+from fp4moe.ops.linear import LinearConfig, choose_config, compile_request, fp4_linear, fp4_linear_reference
+
+TOL = TOLERANCES["fp4_linear"]
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    problem = guard.compare(out, ref, TOL)
+    assert problem is None, problem
+
+
+@dataclass(frozen=True)
+class Case:
+    M: int
+    N: int
+    K: int
+    why: str
+
+
+CPU_CASES = [
+    Case(1, 48, 64, "one token (decode)"),
+    Case(3, 64, 96, "odd M; K not a multiple of the 64-wide K tile"),
+    Case(17, 40, 160, "M one past a 16-row tile; N not a multiple of the N tile"),
+    Case(5, 32, 32, "K equal to one MXFP4 block (two NVFP4 blocks)"),
+]
+
+
+def _problem(case: Case, fmt: str, device: str, dtype=torch.bfloat16, zero_block: bool = False):
+    g = torch.Generator().manual_seed(case.M * 1000 + case.N + case.K)
+    x = torch.randn(case.M, case.K, generator=g).to(device=device, dtype=dtype)
+    w = torch.randn(case.N, case.K, generator=g)
+    if zero_block:
+        w[:, :32] = 0  # zero blocks get scale 1.0 and zero codes
+    bias = torch.randn(case.N, generator=g).to(device=device, dtype=dtype)
+    return x, fp4moe.quantize(w, fmt).to(device), bias
+
+
+@pytest.fixture(autouse=True)
+def _fresh_guard():
+    guard.reset()
+    yield
+    guard.reset()
+
+
+@pytest.mark.parametrize("split_k", [1, 3], ids=["whole_k", "split_k3"])
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"M{c.M}_N{c.N}_K{c.K}")
+@pytest.mark.parametrize("fmt,mode", [("nvfp4", "w4a16"), ("mxfp4", "w4a16"), ("nvfp4", "w4a4")])
+def test_linear_matches_reference(case, fmt, mode, split_k, device):
+    if fmt == "mxfp4" and case.K % 32:
+        pytest.skip("K must be a multiple of 32 for MXFP4")
+    x, w, bias = _problem(case, fmt, device, zero_block=True)
+    # split_k=3 with K/64 = 1..3 steps: splits of unequal length and splits clipped to fewer
+    cfg = LinearConfig(block_n=16, block_m=16, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    out = fp4_linear(x, w, bias, mode=mode, config=cfg)
+    assert out.shape == (case.M, case.N) and out.dtype == x.dtype
+    assert_close(out, fp4_linear_reference(x, w, bias, mode=mode))
+
+
+def test_default_config_path_and_leading_dims(device):
+    x, w, _ = _problem(Case(6, 32, 64, ""), "nvfp4", device)
+    x3 = x.reshape(2, 3, 64)
+    out = fp4_linear(x3, w)  # custom op, heuristic configuration, no bias
+    assert out.shape == (2, 3, 32)
+    assert_close(out.reshape(6, 32), fp4_linear_reference(x, w))
+
+
+def test_non_contiguous_x_and_fp16(device):
+    x, w, bias = _problem(Case(4, 32, 64, ""), "nvfp4", device, dtype=torch.float16)
+    xt = x.t().contiguous().t()  # same values, column-major strides
+    assert not xt.is_contiguous()
+    assert_close(fp4_linear(xt, w, bias), fp4_linear_reference(x, w, bias))
+
+
+def test_static_input_global_scale(device):
+    x, w, _ = _problem(Case(3, 32, 64, ""), "nvfp4", device)
+    gs = torch.tensor([0.01], device=device)
+    assert_close(fp4_linear(x, w, mode="w4a4", input_global_scale=gs),
+                 fp4_linear_reference(x, w, mode="w4a4", input_global_scale=gs))
+
+
+def test_m_zero_returns_empty(device):
+    x, w, _ = _problem(Case(1, 32, 64, ""), "nvfp4", device)
+    out = fp4_linear(x[:0], w)
+    assert out.shape == (0, 32)
+
+
+def test_bad_inputs(device):
+    x, w, bias = _problem(Case(2, 32, 64, ""), "nvfp4", device)
+    with pytest.raises(ValueError, match=r"x: expected last dimension K=64"):
+        fp4_linear(x[:, :48], w)
+    with pytest.raises(TypeError, match=r"x: expected bfloat16 or float16, got torch.float32"):
+        fp4_linear(x.float(), w)
+    with pytest.raises(TypeError, match="w: expected an FP4Tensor"):
+        fp4_linear(x, torch.zeros(32, 64))
+    with pytest.raises(ValueError, match=r"bias: expected shape \(32,\)"):
+        fp4_linear(x, w, bias[:8])
+    mx = fp4moe.quantize(torch.randn(32, 64), "mxfp4").to(device)
+    with pytest.raises(ValueError, match="w4a4' needs NVFP4"):
+        fp4_linear(x, mx, mode="w4a4")
+    with pytest.raises(ValueError, match="mode: expected"):
+        fp4_linear(x, w, mode="w8a8", config=LinearConfig(16, 16, 64, 4, 2))
+    with pytest.raises(ValueError, match="LinearConfig.block_n"):
+        LinearConfig(24, 16, 64, 4, 2)
+
+
+def test_guard_catches_a_configuration_that_writes_garbage(device, monkeypatch):
+    import fp4moe.ops.linear as lin
+
+    real = lin.launch_linear
+
+    def zeros(x2, xq, w, bias, out, path, config):
+        out.zero_()
+        return out
+
+    monkeypatch.setattr(lin, "launch_linear", zeros)
+    x, w, _ = _problem(Case(2, 32, 64, ""), "nvfp4", device)
+    with pytest.raises(guard.GuardError, match=r"fp4_linear\[w4a16,nvfp4,bfloat16\].*all zeros"):
+        fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
+    guard.reset()
+    monkeypatch.setenv("FP4MOE_GUARD", "warn")
+    with pytest.warns(RuntimeWarning, match="Falling back"):
+        out = fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
+    assert_close(out, fp4_linear_reference(x, w))  # the reference answered
+    monkeypatch.setattr(lin, "launch_linear", real)
+
+
+def test_heuristic_spreads_decode_over_the_sms():
+    for N in (4096, 6144, 12288):
+        cfg = choose_config(16, N, 6144, path="w4a16", arch=None, sm_count=132)
+        assert -(-N // cfg.block_n) * cfg.split_k >= 1.9 * 132, cfg  # ~2 programs per SM
+    big = choose_config(8192, 4096, 6144, path="w4a16", arch=None, sm_count=132)
+    assert big.block_n >= 128 and big.block_m >= 128
+
+
+# ------------------------------------------------------------------------------ cross-compilation
+
+
+def test_cross_compile_every_path():
+    """W4A4 uses the block-scaled FP4 MMA on SM120/SM100; every path compiles for SM80/89/90."""
+    from fp4moe.arch import get_arch
+    from fp4moe.plan.crosscompile import cross_compile
+
+    requests, expect = [], []
+    for M in (16, 4096):
+        for cc, path, mma in [
+            (120, "w4a4_native", "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale"),
+            (100, "w4a4_native", "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale"),
+            (90, "w4a16", "mma"), (90, "w4a4_emulated", "mma"),  # wgmma or mma.sync, by tile size
+            (89, "w4a16", "mma.sync.aligned.m16n8k16"), (89, "w4a4_emulated", "mma.sync.aligned.m16n8k16"),
+            (80, "w4a16", "mma.sync.aligned.m16n8k16"),
+        ]:
+            arch = get_arch(cc)
+            cfg = choose_config(M, 6144, 2048, path=path, arch=arch, sm_count=132)
+            requests.append(compile_request(cfg, path, "nvfp4", cc))
+            expect.append((cc, path, mma, arch.smem_per_block_optin, cfg))
+    results = cross_compile(requests)
+    for (cc, path, mma, limit, cfg), r in zip(expect, results):
+        assert r.ok, f"sm{cc} {path} {cfg}: {r.error}"
+        assert any(mma in m for m in r.mma), f"sm{cc} {path}: {r.mma}"
+        assert r.shared <= limit, f"sm{cc} {path} {cfg}: {r.shared} B > {limit} B"
+        assert r.spill_bytes == 0, f"sm{cc} {path} {cfg}: spills {r.spill_bytes} B\n{r.ptxas_log}"
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+GPU_CASES = [Case(M, N, K, "GLM-5 shape") for M in (1, 16, 64, 4096) for N, K in ((4096, 6144), (6144, 2048))]
+GPU_CASES += [Case(3, 6144, 12288, "odd M, long K: split K"), Case(300, 4096, 6144, "between decode and prefill")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"M{c.M}_N{c.N}_K{c.K}")
+@pytest.mark.parametrize("fmt,mode", [("nvfp4", "w4a16"), ("mxfp4", "w4a16"), ("nvfp4", "w4a4")])
+def test_gpu_real_sizes(case, fmt, mode):
+    x, w, bias = _problem(case, fmt, "cuda")
+    assert_close(fp4_linear(x, w, bias, mode=mode), fp4_linear_reference(x, w, bias, mode=mode))
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_and_cuda_graph():
+    from fp4moe.nn import FP4Linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(2048, 512, bias=True).cuda().bfloat16()
+    layer = FP4Linear.from_linear(lin, "nvfp4")
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    ref = fp4_linear_reference(x, layer.weight_fp4, layer.bias)
+    eager = layer(x)
+    assert_close(eager, ref)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert_close(compiled(x), ref)
+    static_x = x.clone()
+    layer(static_x)  # warm-up (and guard) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    static_x.copy_(x * 2)
+    graph.replay()
+    assert_close(static_y, fp4_linear_reference(x * 2, layer.weight_fp4, layer.bias))
