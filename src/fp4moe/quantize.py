@@ -109,9 +109,15 @@ class FP4Tensor:
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's NVFP4 global scale ``amax / (6 * 448)``; 1.0 when amax is 0 (all-zero tensor)."""
+    """ModelOpt's NVFP4 global scale ``amax / (6 * 448)``; 1.0 when amax is 0 (all-zero tensor).
+
+    The divisor is a tensor on amax's device: torch on CUDA turns division by a Python number
+    into a multiplication by its reciprocal, which rounds differently for ~22% of inputs; a
+    tensor divisor is a correctly rounded division on every device.
+    """
     amax = amax.to(torch.float32)
-    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    divisor = torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=amax.device)
+    return torch.where(amax > 0, amax / divisor, torch.ones_like(amax))
 
 
 def _check_global_scale(global_scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:

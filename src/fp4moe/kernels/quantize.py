@@ -10,12 +10,15 @@ The reference divides twice: ``raw = amax_b / (6 g)`` per block and ``q = x / d`
 IEEE division per element (``div.rn``: a reciprocal on the slow MUFU unit, a range check and
 a branch) would make this memory-bound kernel compute-bound, so in the fast path:
 
-* each division is ``RN(1/d)`` once per block (``tl.math.div_rn``), then a multiply and two
-  FMA corrections (:func:`div_by_reciprocal`), exact by Markstein's theorem while the values
-  stay in fp32's normal range, which ``2**-91 <= g <= 2**115`` guarantees; outside that range
-  the kernel divides with ``div_rn`` per element instead;
+* a division by d becomes a multiplication by ``RN(1/d)`` (one ``tl.math.div_rn`` per block;
+  per program for 6g) and two FMA corrections (:func:`div_by_reciprocal`), exact by
+  Markstein's theorem while the values stay in fp32's normal range, which
+  ``2**-91 <= g <= 2**115`` guarantees; outside it the kernel uses ``div_rn`` throughout;
 * q is rounded to E2M1 with three float additions and two minimums (:func:`e2m1_codes`);
 * a block's scale is rounded to E4M3 with one magic-number addition (:func:`e4m3_round`).
+
+The interpreter's ``tl.fma`` rounds twice, so there the kernels emulate an exact FMA in fp64
+(``EMULATE_FMA``) and the CPU tests run the very algorithm the GPU runs.
 """
 
 import triton
@@ -104,30 +107,36 @@ def div_by_reciprocal(a, d, y, EMULATE_FMA: tl.constexpr):
 
 @triton.jit
 def e2m1_codes(q, x):
-    """E2M1 codes (int32, 0..15) of fp32 values 0 <= q < 7 with the sign of x, by rounding in three grids.
+    """E2M1 codes of fp32 values 0 <= q < 7 with the sign of x, biased: 0x4B000000 + code (int32).
 
     c0 = RNE(2 q) is right for q <= 2, c1 = RNE(q) + 2 for 2 <= q <= 4, c2 = RNE(q / 2) + 4
-    above, and each of them over-counts outside its range, so the code is min(c0, c1, c2).
-    RNE(v) + k is read from the low bits of the fp32 sum v + 2**23 + k (one rounding, ties to
-    even; k even keeps the parity). Ties go to the even code as in ``formats.e2m1_encode``.
+    above, and each of them over-counts outside its range, so the magnitude code is
+    min(c0, c1, c2). RNE(v) + k is read from the bits of the fp32 sum v + 2**23 + k (one
+    rounding, ties to even; k even keeps the parity), which are 0x4B000000 + RNE(v) + k: the
+    bias stays and :func:`pack_codes` removes it. Ties go to the even code as in
+    ``formats.e2m1_encode``; the sign bit (code 8) comes from x, so -0.0 gives code 8.
     """
     c0 = q * 2.0 + 8388608.0  # 2**23
     c1 = q + 8388610.0
     c2 = q * 0.5 + 8388612.0
-    code = tl.minimum(tl.minimum(c0, c1), c2).to(tl.int32, bitcast=True)
-    return (code & 7) | ((x.to(tl.int32, bitcast=True) >> 28) & 8)
+    magnitude = tl.minimum(tl.minimum(c0, c1), c2).to(tl.int32, bitcast=True)
+    return magnitude + (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) * 8
 
 
 @triton.jit
 def pack_codes(codes):
-    """Codes [R, NB, 8] (int32, 0..15) to one int32 word [R, NB] each: code j in bits 4j..4j+3,
-    so the little-endian bytes hold element 2j in the low nibble of byte j."""
+    """Biased codes [R, NB, 8] (0x4B000000 + code, code 0..15) to int32 words [R, NB]: code j in
+    bits 4j..4j+3, so the little-endian bytes hold element 2j in the low nibble of byte j.
+
+    The words are sums code_j * 16**j with wrap-around; the 8 biases add up to 0xFB000000
+    (mod 2**32), which one addition of 0x05000000 cancels.
+    """
     R: tl.constexpr = codes.shape[0]
     NB: tl.constexpr = codes.shape[1]
     lo, hi = tl.split(tl.reshape(codes, (R, NB, 4, 2)))
     lo, hi = tl.split(tl.reshape(lo + hi * 16, (R, NB, 2, 2)))
     lo, hi = tl.split(tl.reshape(lo + hi * 256, (R, NB, 1, 2)))
-    return tl.reshape(lo + hi * 65536, (R, NB))
+    return tl.reshape(lo + hi * 65536, (R, NB)) + 0x05000000
 
 
 @triton.jit
@@ -135,19 +144,22 @@ def absmax_kernel(
     x_ptr,     # [M, K] bf16/fp16/fp32, rows stride_xm apart, last dim contiguous
     amax_ptr,  # [] int32: bits of the fp32 max |x|; the launcher zeroes it
     M, K, stride_xm,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr,
 ):
     """max |x| over the whole tensor, for the dynamic global scale.
 
-    Grid: (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)). One program reduces its [BLOCK_M, BLOCK_K]
-    tile and folds it in with an integer atomic max (non-negative fp32 order like their bits).
+    Grid: (cdiv(M, BLOCK_M * ROW_STEPS), cdiv(K, BLOCK_K)). One program reduces ROW_STEPS
+    tiles of [BLOCK_M, BLOCK_K] stacked along M and folds the result in with one integer
+    atomic max (non-negative fp32 values are ordered like their bit patterns).
     """
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    tile_max = tl.max(tl.max(tl.abs(x.to(tl.float32)), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, tile_max.to(tl.int32, bitcast=True))
+    acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+    for step in tl.static_range(ROW_STEPS):
+        rows = (tl.program_id(0) * ROW_STEPS + step) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -158,18 +170,21 @@ def nvfp4_quantize_kernel(
     scale_ptr,   # [] fp32: the global scale g, or max |x| when DYNAMIC
     gs_out_ptr,  # [] fp32: receives g when DYNAMIC (untouched otherwise)
     M, K, stride_xm,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DYNAMIC: tl.constexpr, EMULATE_FMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    DYNAMIC: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):
     """Quantize x to NVFP4 (E2M1 codes, one E4M3 scale per 16 elements, an fp32 global scale g).
 
     Grid: (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)). One program quantizes the tile
-    x[BLOCK_M rows, BLOCK_K columns] = BLOCK_M x BLOCK_K/16 blocks: it writes
-    data[rows, BLOCK_K/2 bytes] and scales[rows, BLOCK_K/16]. With DYNAMIC,
-    g = amax / (6 * 448) (1.0 when amax is 0), computed by every program from the same amax;
-    program (0, 0) stores it. Per block: scale = e4m3(clamp(amax_b / (6 g), 2**-9, 448)), 1.0
-    when amax_b is 0; code = e2m1(x / (fp32(scale) * g)).
-    A block's two halves are read by two loads of the same layout, so that one thread holds
-    all 16 elements of its blocks: block maxima and bounds need no cross-thread exchange.
+    x[BLOCK_M rows, BLOCK_K columns], i.e. BLOCK_M x BLOCK_K/16 blocks, and writes
+    data[those rows, BLOCK_K/8 words] and scales[those rows, BLOCK_K/16].
+    Per block: scale = e4m3(clamp(amax_b / (6 g), 2**-9, 448)), 1.0 when amax_b is 0; each
+    element's code = e2m1(x / (fp32(scale) * g)). A block's two halves come from two loads of
+    the same layout, so one thread holds all 16 elements of its blocks (no cross-thread
+    reduction, one packed 8-byte store per block).
+    DYNAMIC: scale_ptr holds amax and every program derives the same g = amax / 2688 from it
+    (a correctly rounded division, as ``fp4moe.quantize`` does on every device); program (0, 0)
+    stores g. EMULATE_FMA: exact fused multiply-adds for the interpreter.
     """
     tl.static_assert(BLOCK_K % 16 == 0)
     NB: tl.constexpr = BLOCK_K // 16
@@ -185,8 +200,8 @@ def nvfp4_quantize_kernel(
     amax = tl.maximum(tl.max(tl.abs(x_lo), axis=2), tl.max(tl.abs(x_hi), axis=2))   # [BLOCK_M, NB]
 
     g = tl.load(scale_ptr)
-    if DYNAMIC:
-        g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)  # 2688 = 6 * 448
+    if DYNAMIC:  # g = amax / (6 * 448), 1.0 when amax is 0
+        g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(gs_out_ptr, g)
 
@@ -202,8 +217,8 @@ def nvfp4_quantize_kernel(
         c_hi = e2m1_codes(div_by_reciprocal(tl.minimum(tl.abs(x_hi), cap), dd, y, EMULATE_FMA), x_hi)
     else:
         d, sbits = nvfp4_block_scale(tl.math.div_rn(amax, g * 6.0), amax, g)
-        c_lo = f32_to_e2m1_codes(tl.math.div_rn(x_lo, d[:, :, None]))
-        c_hi = f32_to_e2m1_codes(tl.math.div_rn(x_hi, d[:, :, None]))
+        c_lo = f32_to_e2m1_codes(tl.math.div_rn(x_lo, d[:, :, None])) + 0x4B000000  # biased like e2m1_codes
+        c_hi = f32_to_e2m1_codes(tl.math.div_rn(x_hi, d[:, :, None])) + 0x4B000000
 
     words = tl.reshape(tl.join(pack_codes(c_lo), pack_codes(c_hi)), (BLOCK_M, 2 * NB))
     wcols = pid_k * (2 * NB) + tl.arange(0, 2 * NB)

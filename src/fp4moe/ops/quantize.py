@@ -1,14 +1,14 @@
 """NVFP4 activation quantization on the GPU (Triton), bit-identical to ``fp4moe.quantize``.
 
-``quantize_activations(x, global_scale)`` equals ``quantize_activations_reference(x, global_scale)``
-(= ``fp4moe.quantize(x, "nvfp4", global_scale)``) bit for bit: same packed codes, same E4M3
-block-scale bits, same global scale.
+``quantize_activations(x, global_scale)`` returns exactly what
+``quantize_activations_reference(x, global_scale)`` (= ``fp4moe.quantize(x, "nvfp4", global_scale)``)
+returns on x's device: the same packed codes, E4M3 block-scale bits and global scale.
 
 The hot path never synchronises with the host: a given global scale is read by the kernel
 from device memory, and the dynamic one (``amax(|x|) / (6 * 448)``) is reduced on the device by
-a first small kernel and finished inside the quantize kernel. The price is that, unlike the
-reference, nothing checks the data: NaN/Inf in ``x`` or a non-positive global-scale *tensor*
-give unspecified codes unless ``check_finite=True``, which checks both (and synchronises).
+a small first kernel and finished inside the quantize kernel. In exchange nothing checks the
+values: NaN/Inf in x or a non-positive global-scale *tensor* give unspecified codes, unless
+``check_finite=True`` asks for the reference's checks (which synchronise).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..formats import NVFP4
-from ..quantize import FP4Tensor, quantize
 from ..kernels.quantize import absmax_kernel, nvfp4_quantize_kernel
+from ..quantize import FP4Tensor, quantize
 
 __all__ = ["QuantizeConfig", "quantize_activations", "quantize_activations_reference"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
+_ABSMAX_ROW_STEPS = 4  # tiles per absmax program: 4x fewer atomics on the one amax word
 # The interpreter's tl.fma rounds twice; the kernel then emulates a fused multiply-add exactly.
 _EMULATE_FMA = isinstance(nvfp4_quantize_kernel, InterpretedFunction)
 
@@ -39,7 +40,7 @@ def _is_pow2(n: int) -> bool:
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """Tile of one program: ``block_m`` rows x ``block_k`` columns of x, ``num_warps`` warps."""
+    """One program's tile: ``block_m`` rows x ``block_k`` columns of x, run by ``num_warps`` warps."""
 
     block_m: int
     block_k: int
@@ -50,41 +51,39 @@ class QuantizeConfig:
             raise ValueError(f"block_m: expected a power of two, got {self.block_m}")
         if not (_is_pow2(self.block_k) and self.block_k >= _BLOCK):
             raise ValueError(f"block_k: expected a power of two >= {_BLOCK}, got {self.block_k}")
-        if not (_is_pow2(self.num_warps) and self.num_warps <= 32):
-            raise ValueError(f"num_warps: expected a power of two <= 32, got {self.num_warps}")
+        if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
+            raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
 
     @classmethod
     def from_heuristic(cls, M: int, K: int) -> QuantizeConfig:
-        """Up to 8192 elements per program (16 KB of bf16: 8 loads of 16 bytes in flight per thread
-        at 4 warps), at most 512 columns wide so that wide rows still give several programs."""
+        """Tiles of up to 8192 elements (16 KB of bf16 in flight per program), at most 512 columns
+        wide so that wide rows still spread over several programs, 32 elements per thread
+        (two 16-byte loads per block of 16; about 80 registers on SM90)."""
         block_k = min(512, triton.next_power_of_2(max(K, _BLOCK)))
         block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 8192 // block_k))
-        num_warps = max(1, min(4, block_m * block_k // 512))
+        num_warps = max(1, min(8, block_m * block_k // 1024))
         return cls(block_m=block_m, block_k=block_k, num_warps=num_warps)
 
 
 def quantize_activations_reference(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> FP4Tensor:
-    """The numerics :func:`quantize_activations` must reproduce: ``fp4moe.quantize(x, "nvfp4", global_scale)``."""
+    """The numerics :func:`quantize_activations` reproduces: ``fp4moe.quantize(x, "nvfp4", global_scale)``."""
     return quantize(x, "nvfp4", global_scale)
 
 
-def _global_scale(global_scale: torch.Tensor | float | None, device: torch.device,
-                  check: bool) -> torch.Tensor | None:
-    """A given global scale as a 0-d fp32 tensor on ``device`` (no host sync unless ``check``)."""
-    if global_scale is None:
-        return None
+def _given_global_scale(global_scale: torch.Tensor | float, device: torch.device, check: bool) -> torch.Tensor:
+    """A given global scale as a 0-d fp32 tensor on ``device``; a tensor's value is checked only if ``check``."""
     if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
-        value = torch.tensor(float(global_scale), dtype=torch.float32).item()  # rounded to fp32 first
-        if not 0 < value < float("inf"):
-            raise ValueError(f"global_scale: expected a positive finite fp32 value, got {global_scale}")
-        return torch.full((), value, dtype=torch.float32, device=device)
+        value = torch.tensor(float(global_scale), dtype=torch.float32).item()  # what the reference rounds to
+        if not 0 < value < math.inf:
+            raise ValueError(f"global_scale: expected a positive finite fp32 value, got {global_scale!r}")
+        return torch.full((), value, dtype=torch.float32, device=device)  # a fill: no host-device copy
     if not isinstance(global_scale, torch.Tensor):
         raise TypeError(f"global_scale: expected a float, a one-element tensor or None, "
                         f"got {type(global_scale).__name__}")
     if global_scale.numel() != 1:
         raise ValueError(f"global_scale: expected one value, got a tensor of shape {tuple(global_scale.shape)}")
     gs = global_scale.detach().to(device=device, dtype=torch.float32).reshape(())
-    if check and not 0 < float(gs) < float("inf"):
+    if check and not 0 < float(gs) < math.inf:
         raise ValueError(f"global_scale: expected a positive finite value, got {float(gs)}")
     return gs
 
@@ -99,18 +98,18 @@ def quantize_activations(
     """Quantize activations ``x`` [..., K] to NVFP4 along K with Triton kernels.
 
     Args:
-        x: bf16, fp16 or fp32, any shape with K = ``x.shape[-1]`` a multiple of 16, on a CUDA
-            device (or on the CPU under ``TRITON_INTERPRET=1``). Any layout; rows need a
-            contiguous last dimension, otherwise x is copied first.
-        global_scale: fp32 per-tensor scale, a float or a one-element tensor (read on the device);
-            None computes ``amax(|x|) / (6 * 448)`` (1.0 when x is all zeros) on the device.
-        check_finite: refuse NaN/Inf in x and a non-positive or non-finite global-scale tensor
-            (as ``fp4moe.quantize`` does). Off by default because it synchronises with the host.
-        config: pin the tile shape; default :meth:`QuantizeConfig.from_heuristic`.
+        x: bf16, fp16 or fp32 of any shape with K = ``x.shape[-1]`` a multiple of 16, on a CUDA
+            device (or on the CPU under ``TRITON_INTERPRET=1``). Any strides: rows whose last
+            dimension is not contiguous are copied first.
+        global_scale: the fp32 per-tensor scale, as a float or a one-element tensor (read on the
+            device); None computes ``amax(|x|) / (6 * 448)`` on the device (1.0 for all zeros).
+        check_finite: refuse NaN/Inf in x and a non-positive or non-finite global-scale tensor,
+            as ``fp4moe.quantize`` does. Off by default: the checks synchronise with the host.
+        config: pin the tiling; default :meth:`QuantizeConfig.from_heuristic`.
 
     Returns:
-        An :class:`FP4Tensor` of logical shape ``x.shape``: data uint8 [..., K/2], scales
-        float8_e4m3fn [..., K/16], global_scale a 0-d fp32 tensor, all on ``x.device``.
+        An :class:`FP4Tensor` of logical shape ``x.shape`` on x's device: data uint8 [..., K/2],
+        scales float8_e4m3fn [..., K/16], global_scale a 0-d fp32 tensor.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -120,11 +119,12 @@ def quantize_activations(
         raise ValueError("x: expected at least one dimension [..., K], got a 0-d tensor")
     *lead, K = x.shape
     if K % _BLOCK:
-        raise ValueError(f"x: the last dimension K={K} must be a multiple of {_BLOCK}, got shape {tuple(x.shape)}")
+        raise ValueError(f"x: expected the last dimension K to be a multiple of {_BLOCK}, "
+                         f"got shape {tuple(x.shape)}")
     if config is not None and not isinstance(config, QuantizeConfig):
         raise TypeError(f"config: expected a QuantizeConfig or None, got {type(config).__name__}")
-    gs = _global_scale(global_scale, x.device, check_finite)
-    if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
+    gs = None if global_scale is None else _given_global_scale(global_scale, x.device, check_finite)
+    if check_finite and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x: expected finite values (check_finite=True), got {bad} NaN/Inf value(s)")
 
@@ -134,23 +134,23 @@ def quantize_activations(
         x2 = x2.contiguous()
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((M, K // _BLOCK), dtype=torch.uint8, device=x.device)
-    if M == 0 or K == 0:
-        gs = torch.ones((), dtype=torch.float32, device=x.device) if gs is None else gs
-    else:
+    dynamic = gs is None
+    if dynamic:
+        gs = torch.ones((), dtype=torch.float32, device=x.device)  # the reference's value for empty x
+    if M and K:
         cfg = config or QuantizeConfig.from_heuristic(M, K)
-        grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
         tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-        on_device = torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-        with on_device:
-            dynamic = gs is None
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            scale_in = gs
             if dynamic:
                 amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-                absmax_kernel[grid](x2, amax_bits, M, K, x2.stride(0), **tile)
-                scale_in, gs = amax_bits.view(torch.float32), torch.empty((), dtype=torch.float32, device=x.device)
-            else:
-                scale_in = gs
-            nvfp4_quantize_kernel[grid](x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
-                                        DYNAMIC=dynamic, EMULATE_FMA=_EMULATE_FMA, **tile)
+                absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
+                absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
+                scale_in = amax_bits.view(torch.float32)
+            grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
+            nvfp4_quantize_kernel[grid](
+                x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
+                DYNAMIC=dynamic, EMULATE_FMA=_EMULATE_FMA, **tile)
     return FP4Tensor(
         data=data.reshape(*lead, K // 2),
         scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),
