@@ -383,3 +383,17 @@ def test_formats_are_frozen_data():
     assert MXFP4.block_size == 32 and MXFP4.scale_dtype == torch.uint8 and not MXFP4.has_global_scale
     with pytest.raises(Exception):
         NVFP4.block_size = 32  # type: ignore[misc]
+
+
+def test_stacked_matrices_may_carry_one_global_scale_each():
+    torch.manual_seed(5)
+    w = torch.randn(3, 32, 64) * torch.tensor([1.0, 10.0, 0.1]).reshape(3, 1, 1)
+    per = [fp4moe.quantize(w[e]) for e in range(3)]
+    stacked = fp4moe.FP4Tensor(
+        data=torch.stack([p.data for p in per]), scales=torch.stack([p.scales for p in per]),
+        global_scale=torch.stack([p.global_scale.reshape(()) for p in per]), shape=w.shape, fmt="nvfp4")
+    got = fp4moe.dequantize(stacked, torch.float32)
+    for e in range(3):
+        assert torch.equal(got[e], fp4moe.dequantize(per[e], torch.float32))
+    with pytest.raises(ValueError, match=r"one per matrix of shape \(3,\)"):
+        fp4moe.FP4Tensor(stacked.data, stacked.scales, torch.ones(2), w.shape, "nvfp4")

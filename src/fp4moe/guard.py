@@ -54,6 +54,12 @@ TOLERANCES: dict[str, Tolerance] = {
                "order differs (~1e-6 sqrt(K)) and the output is rounded to bf16/fp16 (2**-8 relative "
                "to each element, up to 2**-8 of max |y|)",
     ),
+    "fp4_moe": Tolerance(
+        max_rel=3e-2, rms_rel=1.5e-2,
+        reason="as fp4_linear for each GEMM; in addition the SwiGLU output is rounded to bf16 in both "
+               "kernel and reference, and a 1-ulp difference of the first GEMM can flip that rounding "
+               "(2**-8 relative on one h element), which the second GEMM averages over I terms",
+    ),
 }
 
 

@@ -38,7 +38,8 @@ class FP4Tensor:
     Attributes:
         data: uint8 [..., K/2], two E2M1 codes per byte, the even element in the low nibble.
         scales: [..., K/block] row-major; float8_e4m3fn (NVFP4) or uint8 E8M0 exponents (MXFP4).
-        global_scale: fp32 scalar tensor (NVFP4) or None (MXFP4).
+        global_scale: NVFP4: fp32 with one element, or one per stacked matrix (shape ``shape[:-2]``,
+            e.g. [E] for expert weights [E, N, K]); MXFP4: None.
         shape: the logical shape [..., K].
         fmt: the format.
     """
@@ -69,9 +70,13 @@ class FP4Tensor:
         if fmt.has_global_scale:
             if self.global_scale is None:
                 raise ValueError(f"global_scale: {fmt} needs an fp32 global scale, got None")
-            if self.global_scale.dtype != torch.float32 or self.global_scale.numel() != 1:
-                raise TypeError(f"global_scale: expected one fp32 value, got {self.global_scale.dtype} "
-                                f"with {self.global_scale.numel()} elements")
+            if self.global_scale.dtype != torch.float32:
+                raise TypeError(f"global_scale: expected float32, got {self.global_scale.dtype}")
+            per_matrix = len(self.shape) >= 3 and tuple(self.global_scale.shape) == tuple(self.shape[:-2])
+            if self.global_scale.numel() != 1 and not per_matrix:
+                raise ValueError(f"global_scale: expected one value, or one per matrix of shape "
+                                 f"{tuple(self.shape[:-2])} for stacked matrices, got shape "
+                                 f"{tuple(self.global_scale.shape)}")
         elif self.global_scale is not None:
             raise ValueError(f"global_scale: {fmt} has no global scale, got a tensor")
 
@@ -216,5 +221,8 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tenso
     values = e2m1_decode(unpack_fp4(t.data)).reshape(*lead, k // bs, bs)
     out = values * t.block_scales_fp32().unsqueeze(-1)
     if t.global_scale is not None:
-        out = out * t.global_scale
+        g = t.global_scale
+        if g.numel() != 1:  # one per stacked matrix (e.g. per expert): broadcast over [N, K/bs, bs]
+            g = g.reshape(*g.shape, 1, 1, 1)
+        out = out * g
     return out.reshape(t.shape).to(dtype)

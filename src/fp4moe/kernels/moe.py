@@ -1,0 +1,158 @@
+"""Expert-grouped FP4 GEMMs of the MoE layer.
+
+Rows are token-expert pairs sorted by expert (``ops.dispatch``); a *tile* is up to BLOCK_M rows
+of one expert. Like the linear kernel, each program computes the transposed product
+``out^T[n-tile, rows] = W_e[n-tile, :] @ X[rows, :]^T`` so the expert's weight tile is the large
+MMA operand and decode-time experts with 1-2 tokens still spread their weights over many
+programs (grid axis 0 runs over N).
+
+GEMM 1 (``SWIGLU`` > 0): for output column j the program accumulates the gate row and the up
+row of W13 (rows j and I + j, or 2j and 2j + 1 when the checkpoint interleaves them, as gpt-oss
+does) and applies the activation in the epilogue: silu(g) * u, or gpt-oss's
+clamp(g, max=7) * sigmoid(1.702 g) * (clamp(u, -7, 7) + 1).
+GEMM 2: the routing weight of each row is multiplied in the epilogue and the row is written at
+its pair index (t * top_k + slot), so the combine can sum each token's rows in slot order.
+"""
+
+import triton
+import triton.language as tl
+
+from .fp4_decode import FAST_FOLD_E4M3, FAST_FOLD_E8M0, decode_fp4_tile, decode_fp4_tile_fast
+
+
+@triton.jit
+def _weight_rows_dot(acc, w_ptr, ws_ptr, rows, row_mask, xt, k0, k_end, offs_kb, offs_kw,
+                     stride_wn, stride_wsn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                     W_E4M3: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """acc += decode(W[rows, k0:k0+BLOCK_K]) @ xt  (xt: [BLOCK_K, BLOCK_M])."""
+    kb = k0 // 2 + offs_kb
+    kw = k0 // GROUP + offs_kw
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=row_mask[:, None] & (kb < k_end // 2)[None, :],
+                other=0)
+    ws = tl.load(ws_ptr + rows[:, None] * stride_wsn + kw[None, :],
+                 mask=row_mask[:, None] & (kw < k_end // GROUP)[None, :], other=0)
+    if FAST_DECODE:
+        wd = decode_fp4_tile_fast(w, ws, BLOCK_N, BLOCK_K, GROUP, W_E4M3)
+    else:
+        wd = decode_fp4_tile(w, ws, BLOCK_N, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE)
+    return tl.dot(wd, xt, acc)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    x_ptr,  # [rows of x, K] bf16/fp16 (stride_xm, 1): tokens (GEMM 1, gathered) or h rows (GEMM 2)
+    w_ptr,  # [E, N_w, K/2] uint8 packed expert weights (stride_we, stride_wn, 1)
+    ws_ptr,  # [E, N_w, K/GROUP] uint8 scales (stride_wse, stride_wsn, 1)
+    wg_ptr,  # [E] fp32 per-expert global scales (HAS_WG) or unused
+    bias_ptr,  # [E, N_w] per-expert bias (HAS_BIAS) or unused (stride_be)
+    row_x_ptr,  # [R] int32: x row of each sorted row (GATHER) or unused
+    row_out_ptr,  # [R] int32: output row of each sorted row (SCATTER) or unused
+    row_w_ptr,  # [R] fp32 routing weight of each sorted row (HAS_RW) or unused
+    tile_expert_ptr,  # [max_tiles] int32 expert of each tile, -1 for unused tiles
+    tile_start_ptr,  # [max_tiles] int32 first sorted row of each tile
+    tile_end_ptr,  # [max_tiles] int32 one past its last row
+    out_ptr,  # [rows of out, N_out] (stride_om, 1)
+    N_out, K, I_half,  # output columns; reduction length; GEMM 1: offset of the up rows (= N_out)
+    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    W_E4M3: tl.constexpr, SWIGLU: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr,
+    SCATTER: tl.constexpr, HAS_RW: tl.constexpr, HAS_WG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
+):
+    """Grid (cdiv(N_out, BLOCK_N), max_tiles). One program: BLOCK_N output columns of one tile of
+    rows of one expert, over all of K. Programs of unused tiles (expert -1) return at once."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_t)
+    if e < 0:
+        return
+    start = tl.load(tile_start_ptr + pid_t)
+    end = tl.load(tile_end_ptr + pid_t)
+    rows = start + tl.arange(0, BLOCK_M)
+    r_mask = rows < end
+    if GATHER:
+        x_rows = tl.load(row_x_ptr + rows, mask=r_mask, other=0)
+    else:
+        x_rows = rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < N_out
+    if SWIGLU > 0:
+        if INTERLEAVED:
+            gate_rows = 2 * cols
+            up_rows = 2 * cols + 1
+        else:
+            gate_rows = cols
+            up_rows = I_half + cols
+    else:
+        gate_rows = cols
+        up_rows = cols
+    w_e = w_ptr + e.to(tl.int64) * stride_we
+    ws_e = ws_ptr + e.to(tl.int64) * stride_wse
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_kw = tl.arange(0, BLOCK_K // GROUP)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        xt = tl.load(x_ptr + x_rows[None, :].to(tl.int64) * stride_xm + kk[:, None],
+                     mask=r_mask[None, :] & (kk < K)[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_K, BLOCK_M]
+        acc_g = _weight_rows_dot(acc_g, w_e, ws_e, gate_rows, c_mask, xt, k0, K, offs_kb, offs_kw, stride_wn,
+                                 stride_wsn, BLOCK_N, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE, FAST_DECODE)
+        if SWIGLU > 0:
+            acc_u = _weight_rows_dot(acc_u, w_e, ws_e, up_rows, c_mask, xt, k0, K, offs_kb, offs_kw, stride_wn,
+                                     stride_wsn, BLOCK_N, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE, FAST_DECODE)
+
+    scale = 1.0
+    if FAST_DECODE:
+        if W_E4M3:
+            scale = FAST_FOLD_E4M3
+        else:
+            scale = FAST_FOLD_E8M0
+    if HAS_WG:
+        scale = scale * tl.load(wg_ptr + e)
+    g = acc_g * scale
+    if HAS_BIAS:
+        b_e = bias_ptr + e.to(tl.int64) * stride_be
+        g += tl.load(b_e + gate_rows, mask=c_mask, other=0.0).to(tl.float32)[:, None]
+    if SWIGLU > 0:
+        u = acc_u * scale
+        if HAS_BIAS:
+            u += tl.load(b_e + up_rows, mask=c_mask, other=0.0).to(tl.float32)[:, None]
+        if SWIGLU == 1:  # silu(g) * u
+            res = g / (1.0 + tl.exp(-g)) * u
+        else:  # gpt-oss: clamp(g, max=7) * sigmoid(1.702 g) * (clamp(u, -7, 7) + 1)
+            g = tl.minimum(g, 7.0)
+            u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+            res = g / (1.0 + tl.exp(-1.702 * g)) * (u + 1.0)
+    else:
+        res = g
+    if HAS_RW:
+        res = res * tl.load(row_w_ptr + rows, mask=r_mask, other=0.0)[None, :]
+    if SCATTER:
+        out_rows = tl.load(row_out_ptr + rows, mask=r_mask, other=0)
+    else:
+        out_rows = rows
+    out = out_ptr + out_rows[None, :].to(tl.int64) * stride_om + cols[:, None]
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=c_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def moe_combine_kernel(
+    y_pair_ptr,  # [T * TOP_K, H] per-pair outputs (routing weight applied), row t * TOP_K + slot
+    shared_ptr,  # [T, H] shared-expert output (HAS_SHARED) or unused
+    out_ptr,  # [T, H]
+    H, stride_pm, stride_sm, stride_om,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
+):
+    """Grid (T, cdiv(H, BLOCK_H)). One program sums the TOP_K rows of one token in slot order
+    (deterministic: the same input gives bitwise the same output), plus the shared expert."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in tl.static_range(TOP_K):
+        acc += tl.load(y_pair_ptr + (t * TOP_K + s).to(tl.int64) * stride_pm + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t.to(tl.int64) * stride_sm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

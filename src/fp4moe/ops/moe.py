@@ -1,0 +1,376 @@
+"""The FP4 MoE experts: dispatch -> grouped GEMM 1 (+ SwiGLU) -> grouped GEMM 2 (x routing weight)
+-> deterministic combine. Launchers, configuration, torch reference and custom op.
+
+Routing (top-k ids and weights) is an input here; ``ops.routing`` computes it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .. import guard
+from ..quantize import FP4Tensor, dequantize
+
+Activation = Literal["silu", "gpt_oss"]
+_SWIGLU = {"silu": 1, "gpt_oss": 2}
+
+
+@dataclass(frozen=True)
+class MoEGemmConfig:
+    """Tiles of one grouped GEMM: block_n output columns x block_m rows of one expert per program."""
+
+    block_n: int
+    block_m: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_m", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoEGemmConfig.{name}: expected a power of two >= 16, got {v}")
+        if self.block_k < 64:
+            raise ValueError(f"MoEGemmConfig.block_k: expected >= 64, got {self.block_k}")
+
+    def __str__(self) -> str:
+        return f"n{self.block_n}_m{self.block_m}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
+
+
+def choose_moe_configs(T: int, top_k: int, n_experts: int, H: int, I: int) -> tuple[MoEGemmConfig, MoEGemmConfig]:
+    """(GEMM 1, GEMM 2) configurations. Decode: few rows per expert, so 16-row tiles and narrow
+    N tiles that spread each active expert's weights over many programs (the linear kernel's
+    decode tile). Prefill: wide tiles. Both share block_m, since one dispatch plan serves both."""
+    rows_per_expert = T * top_k / n_experts
+    if rows_per_expert <= 16:
+        g1 = MoEGemmConfig(block_n=32, block_m=16, block_k=256, num_warps=4, num_stages=1)
+        g2 = MoEGemmConfig(block_n=64, block_m=16, block_k=256, num_warps=4, num_stages=1)
+    elif rows_per_expert <= 64:
+        g1 = MoEGemmConfig(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=1)
+        g2 = MoEGemmConfig(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=1)
+    else:
+        g1 = MoEGemmConfig(block_n=64, block_m=128, block_k=64, num_warps=8, num_stages=3)
+        g2 = MoEGemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3)
+    return g1, g2
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch plan (torch, no host synchronisation)
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Token-expert pairs sorted by expert (stable: by expert, then pair index) and their tiles.
+
+    sorted_pair[r]: pair index t * top_k + slot of sorted row r; sorted_token[r] = that // top_k.
+    tile_expert/tile_start/tile_end [max_tiles]: rows of each tile (one expert per tile); unused
+    tiles have expert -1. max_tiles = ceil(T*k / block_m) + min(E, T*k) bounds the tiles of any
+    routing, so the plan has a fixed size for a fixed T (CUDA-graph capture)."""
+
+    sorted_pair: torch.Tensor
+    sorted_token: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
+    counts: torch.Tensor  # [E] rows per expert
+    block_m: int
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tile_expert.numel()
+
+
+def max_tiles(pairs: int, n_experts: int, block_m: int) -> int:
+    return -(-pairs // block_m) + min(n_experts, pairs)
+
+
+def plan_dispatch(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> DispatchPlan:
+    """Sort pairs by expert and cut each expert's rows into tiles of ``block_m`` (device ops only)."""
+    T, k = topk_ids.shape
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    sorted_ids, order = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
+    starts = torch.cumsum(counts, 0) - counts  # first sorted row of each expert
+    tiles_per_expert = (counts + block_m - 1) // block_m
+    tile_base = torch.cumsum(tiles_per_expert, 0) - tiles_per_expert  # first tile of each expert
+    n_max = max_tiles(pairs, n_experts, block_m)
+    tile_idx = torch.arange(n_max, device=dev)
+    expert = torch.searchsorted(tile_base + tiles_per_expert, tile_idx, right=True)  # expert owning the tile
+    valid = expert < n_experts
+    e_safe = expert.clamp(max=n_experts - 1)
+    local = tile_idx - tile_base[e_safe]
+    start = starts[e_safe] + local * block_m
+    end = torch.minimum(start + block_m, starts[e_safe] + counts[e_safe])
+    valid = valid & (local < tiles_per_expert[e_safe])
+    tile_expert = torch.where(valid, e_safe, -1).to(torch.int32)
+    del sorted_ids
+    return DispatchPlan(
+        sorted_pair=order.to(torch.int32), sorted_token=(order // k).to(torch.int32),
+        tile_expert=tile_expert, tile_start=torch.where(valid, start, 0).to(torch.int32),
+        tile_end=torch.where(valid, end, 0).to(torch.int32), counts=counts, block_m=block_m)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _compute_dtype(x_dtype: torch.dtype):
+    import triton.language as tl
+
+    if _interpreting():
+        return tl.float32  # the interpreter's bf16 tl.dot is wrong (Triton 3.6); values are exact
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x_dtype]
+
+
+def launch_moe_gemm(x: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, cfg: MoEGemmConfig, *,
+                    swiglu: int, interleaved: bool, gather: bool, scatter: bool,
+                    row_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    import triton
+
+    from ..kernels.moe import moe_gemm_kernel
+
+    E, N_w, K = w.shape
+    n_out = N_w // 2 if swiglu else N_w
+    ws = w.scales.view(torch.uint8)
+    wg = w.global_scale
+    per_expert_g = None
+    if wg is not None:
+        per_expert_g = wg.reshape(-1).expand(E).contiguous() if wg.numel() == 1 else wg.reshape(E)
+    placeholder = plan.sorted_pair
+    fast = not _interpreting() and x.dtype == torch.bfloat16
+    grid = (triton.cdiv(n_out, cfg.block_n), plan.max_tiles)
+    moe_gemm_kernel[grid](
+        x, w.data, ws, per_expert_g if per_expert_g is not None else placeholder,
+        bias if bias is not None else placeholder,
+        plan.sorted_token, plan.sorted_pair, row_weight if row_weight is not None else placeholder,
+        plan.tile_expert, plan.tile_start, plan.tile_end, out,
+        n_out, K, N_w // 2,
+        x.stride(0), w.data.stride(0), w.data.stride(1), ws.stride(0), ws.stride(1),
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP=w.block_size,
+        W_E4M3=w.fmt.scale_kind == "e4m3", SWIGLU=swiglu, INTERLEAVED=interleaved, GATHER=gather,
+        SCATTER=scatter, HAS_RW=row_weight is not None, HAS_WG=per_expert_g is not None,
+        HAS_BIAS=bias is not None, COMPUTE_DTYPE=_compute_dtype(x.dtype), FAST_DECODE=fast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def launch_combine(y_pair: torch.Tensor, top_k: int, shared: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    import triton
+
+    from ..kernels.moe import moe_combine_kernel
+
+    T, H = out.shape
+    block = 1024 if H >= 1024 else triton.next_power_of_2(H)
+    moe_combine_kernel[(T, triton.cdiv(H, block))](
+        y_pair, shared if shared is not None else y_pair, out, H, y_pair.stride(0),
+        shared.stride(0) if shared is not None else 0, out.stride(0),
+        TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4)
+    return out
+
+
+def check_moe_inputs(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validate shapes and formats; returns (E, I, H, top_k)."""
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not isinstance(t, FP4Tensor) or len(t.shape) != 3:
+            raise TypeError(f"{name}: expected a stacked FP4Tensor [E, N, K], got "
+                            f"{type(t).__name__}{'' if not isinstance(t, FP4Tensor) else tuple(t.shape)}")
+    E, two_i, H = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13: expected [E, 2*I, H] (gate and up rows), got {tuple(w13.shape)}")
+    I = two_i // 2
+    if tuple(w2.shape) != (E, H, I):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree: expected w2 of shape "
+                         f"{(E, H, I)}")
+    if w13.fmt is not w2.fmt:
+        raise ValueError(f"w13 and w2: expected the same format, got w13 {w13.fmt} and w2 {w2.fmt}")
+    if x.dim() != 2 or x.shape[1] != H:
+        raise ValueError(f"x: expected [T, {H}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids: expected [T={x.shape[0]}, k], got {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
+    for name, t in (("w13", w13.data), ("w2", w2.data), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
+    return E, I, H, topk_ids.shape[1]
+
+
+def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor,
+                    topk_weights: torch.Tensor, *, activation: Activation = "silu", interleaved: bool = False,
+                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    shared_out: torch.Tensor | None = None,
+                    configs: tuple[MoEGemmConfig, MoEGemmConfig] | None = None) -> torch.Tensor:
+    """Routed experts of one MoE layer (W4A16): ``sum_s w[t,s] * FFN_{ids[t,s]}(x[t]) (+ shared_out)``.
+
+    x [T, H] bf16/fp16; w13 [E, 2I, H] FP4 (gate rows then up rows, or interleaved);
+    w2 [E, H, I]; topk_ids int [T, k]; topk_weights fp32 [T, k]. No host synchronisation.
+    """
+    E, I, H, k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    if activation not in _SWIGLU:
+        raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
+    T = x.shape[0]
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    g1, g2 = configs or choose_moe_configs(T, k, E, H, I)
+    if g1.block_m != g2.block_m:
+        raise ValueError(f"configs: both GEMMs must share block_m (one dispatch plan), got {g1.block_m} and {g2.block_m}")
+    x = x.contiguous()
+    key = guard.GuardKey(kernel=f"fp4_moe[{w13.fmt},{activation},{'interleaved' if interleaved else 'gate_up'}]",
+                         config=f"{g1}|{g2}", device=guard.device_name(x.device))
+    if guard.should_check(key):
+        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, (g1, g2)),
+                    tolerance="fp4_moe")
+    if guard.use_reference(key):
+        return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
+                                 w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
+    plan = plan_dispatch(topk_ids, E, g1.block_m)
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    launch_moe_gemm(x, w13, plan, h, g1, swiglu=_SWIGLU[activation], interleaved=interleaved, gather=True,
+                    scatter=False, row_weight=None, bias=w13_bias)
+    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
+    launch_moe_gemm(h, w2, plan, y_pair, g2, swiglu=0, interleaved=False, gather=False, scatter=True,
+                    row_weight=row_w, bias=w2_bias)
+    return launch_combine(y_pair, k, shared_out, out)
+
+
+def _probe(device, dtype, fmt, activation, interleaved, configs):
+    from ..quantize import quantize
+
+    g = torch.Generator().manual_seed(4321)
+    T, E, k, H, I = 7, 5, 2, 128, 64
+    x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
+    w13 = quantize(torch.randn(E, 2 * I, H, generator=g), fmt).to(device)
+    w2 = quantize(torch.randn(E, H, I, generator=g), fmt).to(device)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device=device, dtype=torch.int32)
+    wts = torch.rand(T, k, generator=g).to(device)
+    plan = plan_dispatch(ids, E, configs[0].block_m)
+    h = torch.empty((T * k, I), dtype=dtype, device=device)
+    launch_moe_gemm(x, w13, plan, h, configs[0], swiglu=_SWIGLU[activation], interleaved=interleaved, gather=True,
+                    scatter=False, row_weight=None, bias=None)
+    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=device)
+    launch_moe_gemm(h, w2, plan, y_pair, configs[1], swiglu=0, interleaved=False, gather=False, scatter=True,
+                    row_weight=wts.reshape(-1)[plan.sorted_pair.long()], bias=None)
+    out = launch_combine(y_pair, k, None, torch.empty((T, H), dtype=dtype, device=device))
+    return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved)
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    if activation == "silu":
+        return gate / (1.0 + torch.exp(-gate)) * up
+    gate = gate.clamp(max=7.0)
+    up = up.clamp(-7.0, 7.0)
+    return gate / (1.0 + torch.exp(-1.702 * gate)) * (up + 1.0)
+
+
+def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor, *, activation: Activation = "silu", interleaved: bool = False,
+                      w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                      shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The numerics the kernels match: fp32 products of dequantized weights; the SwiGLU output is
+    rounded to x's dtype (the kernels store it so); each token sums its k expert outputs in slot
+    order in fp32, then adds the shared-expert output, and rounds once to x's dtype."""
+    E, I, H, k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    W13 = dequantize(w13, torch.float32)
+    W2 = dequantize(w2, torch.float32)
+    if interleaved:
+        gate_w, up_w = W13[:, 0::2], W13[:, 1::2]
+        gate_b = w13_bias[:, 0::2] if w13_bias is not None else None
+        up_b = w13_bias[:, 1::2] if w13_bias is not None else None
+    else:
+        gate_w, up_w = W13[:, :I], W13[:, I:]
+        gate_b = w13_bias[:, :I] if w13_bias is not None else None
+        up_b = w13_bias[:, I:] if w13_bias is not None else None
+    xf = x.to(torch.float32)
+    acc = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
+    for s in range(k):
+        ids = topk_ids[:, s].long()
+        g = torch.einsum("th,tih->ti", xf, gate_w[ids])
+        u = torch.einsum("th,tih->ti", xf, up_w[ids])
+        if gate_b is not None:
+            g = g + gate_b[ids].float()
+            u = u + up_b[ids].float()
+        h = _activate(g, u, activation).to(x.dtype).to(torch.float32)
+        y = torch.einsum("ti,thi->th", h, W2[ids])
+        if w2_bias is not None:
+            y = y + w2_bias[ids].float()
+        acc = acc + topk_weights[:, s].to(torch.float32)[:, None] * y
+    if shared_out is not None:
+        acc = acc + shared_out.to(torch.float32)
+    return acc.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom op (torch.compile and CUDA graphs see one opaque op)
+
+
+@torch.library.custom_op("fp4moe::moe_experts", mutates_args=())
+def _moe_experts_op(x: torch.Tensor, w13_data: torch.Tensor, w13_scales: torch.Tensor, w13_global: torch.Tensor | None,
+                    w2_data: torch.Tensor, w2_scales: torch.Tensor, w2_global: torch.Tensor | None, fmt: str,
+                    topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str, interleaved: bool,
+                    w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                    shared_out: torch.Tensor | None) -> torch.Tensor:
+    E, two_i, half_h = w13_data.shape
+    H = half_h * 2
+    w13 = FP4Tensor(w13_data, w13_scales, w13_global, torch.Size((E, two_i, H)), fmt)
+    w2 = FP4Tensor(w2_data, w2_scales, w2_global, torch.Size((E, H, two_i // 2)), fmt)
+    return fp4_moe_experts(x, w13, w2, topk_ids, topk_weights, activation=activation,  # type: ignore[arg-type]
+                           interleaved=interleaved, w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
+
+
+@_moe_experts_op.register_fake
+def _moe_experts_fake(x, w13_data, w13_scales, w13_global, w2_data, w2_scales, w2_global, fmt, topk_ids,
+                      topk_weights, activation, interleaved, w13_bias, w2_bias, shared_out):
+    return torch.empty_like(x)
+
+
+def moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                *, activation: Activation = "silu", interleaved: bool = False, w13_bias: torch.Tensor | None = None,
+                w2_bias: torch.Tensor | None = None, shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp4_moe_experts`` through the ``fp4moe::moe_experts`` custom op (the module's entry point)."""
+    check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    return _moe_experts_op(x, w13.data, w13.scales, w13.global_scale, w2.data, w2.scales, w2.global_scale,
+                           w13.fmt.name, topk_ids, topk_weights, activation, interleaved, w13_bias, w2_bias,
+                           shared_out)
+
+
+def compile_request(cfg: MoEGemmConfig, fmt: str, cc: int, *, swiglu: int, gather: bool, scatter: bool,
+                    out_dtype: str = "bf16"):
+    """Cross-compilation request (``fp4moe.plan.crosscompile``) for one grouped GEMM."""
+    from ..formats import get_format
+    from ..plan.crosscompile import CompileRequest
+
+    f = get_format(fmt)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
+           "row_x_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32", "tile_expert_ptr": "*i32",
+           "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "out_ptr": f"*{out_dtype}", "N_out": "i32", "K": "i32",
+           "I_half": "i32", "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
+           "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32"}
+    consts = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP": f.block_size,
+              "W_E4M3": f.scale_kind == "e4m3", "SWIGLU": swiglu, "INTERLEAVED": False, "GATHER": gather,
+              "SCATTER": scatter, "HAS_RW": scatter, "HAS_WG": f.has_global_scale, "HAS_BIAS": False,
+              "COMPUTE_DTYPE": "bf16", "FAST_DECODE": True}
+    div = ("x_ptr", "w_ptr", "ws_ptr", "out_ptr", "N_out", "K", "I_half", "stride_xm", "stride_we", "stride_wn",
+           "stride_wse", "stride_wsn", "stride_om")
+    return CompileRequest(kernel="fp4moe.kernels.moe:moe_gemm_kernel", signature=sig, constexprs=consts, cc=cc,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, divisible_by_16=div)

@@ -1,0 +1,198 @@
+"""The FP4 MoE experts (grouped GEMMs + SwiGLU + combine) against the torch reference."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import fp4moe
+from fp4moe import guard
+from fp4moe.guard import TOLERANCES
+from fp4moe.ops.moe import (
+    MoEGemmConfig,
+    fp4_moe_experts,
+    fp4_moe_reference,
+    max_tiles,
+    moe_experts,
+    plan_dispatch,
+)
+
+TOL = TOLERANCES["fp4_moe"]
+
+
+def assert_close(out, ref):
+    problem = guard.compare(out, ref, TOL)
+    assert problem is None, problem
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int
+    E: int
+    k: int
+    H: int
+    I: int
+    why: str
+    routing: str = "random"  # random | one_expert | skewed
+
+
+CPU_CASES = [
+    Case(9, 6, 3, 128, 64, "a few tokens, every expert busy"),
+    Case(1, 8, 2, 64, 32, "one token: most experts idle"),
+    Case(12, 5, 2, 96, 48, "every token on one expert (tile boundaries within one expert)", "one_expert"),
+    Case(7, 7, 1, 64, 32, "top-k = 1, E prime"),
+    Case(4, 4, 4, 64, 32, "top-k = E"),
+    Case(5, 160, 2, 64, 32, "E = 160 (not a power of two): many empty experts"),
+    Case(3, 4, 2, 80, 48, "H and I not multiples of the tiles"),
+]
+
+
+def _ids(case: Case, g: torch.Generator) -> torch.Tensor:
+    if case.routing == "one_expert":
+        first = torch.full((case.T, 1), 3 % case.E)
+        rest = torch.stack([torch.randperm(case.E, generator=g)[: case.k] for _ in range(case.T)])
+        rest = torch.where(rest == first, (first + 1) % case.E, rest)[:, : case.k - 1]
+        return torch.cat([first, rest], 1).to(torch.int32)
+    return torch.stack([torch.randperm(case.E, generator=g)[: case.k] for _ in range(case.T)]).to(torch.int32)
+
+
+def _problem(case: Case, fmt: str, device, bias=False):
+    g = torch.Generator().manual_seed(case.T * 131 + case.E * 7 + case.H)
+    x = torch.randn(case.T, case.H, generator=g).to(device=device, dtype=torch.bfloat16)
+    w13 = fp4moe.quantize(torch.randn(case.E, 2 * case.I, case.H, generator=g), fmt).to(device)
+    w2 = fp4moe.quantize(torch.randn(case.E, case.H, case.I, generator=g), fmt).to(device)
+    ids = _ids(case, g).to(device)
+    wts = torch.rand(case.T, case.k, generator=g).to(device)
+    b13 = torch.randn(case.E, 2 * case.I, generator=g).to(device=device, dtype=torch.bfloat16) if bias else None
+    b2 = torch.randn(case.E, case.H, generator=g).to(device=device, dtype=torch.bfloat16) if bias else None
+    return x, w13, w2, ids, wts, b13, b2
+
+
+@pytest.fixture(autouse=True)
+def _fresh_guard():
+    guard.reset()
+    yield
+    guard.reset()
+
+
+SMALL = (MoEGemmConfig(16, 16, 64, 4, 1), MoEGemmConfig(16, 16, 64, 4, 1))
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"T{c.T}_E{c.E}_k{c.k}_H{c.H}_I{c.I}_{c.routing}")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_experts_match_reference(case, fmt, device):
+    if fmt == "mxfp4" and (case.H % 32 or case.I % 32):
+        pytest.skip("MXFP4 needs H and I multiples of 32")
+    x, w13, w2, ids, wts, _, _ = _problem(case, fmt, device)
+    shared = torch.randn_like(x)
+    out = fp4_moe_experts(x, w13, w2, ids, wts, shared_out=shared, configs=SMALL)
+    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts, shared_out=shared))
+
+
+@pytest.mark.parametrize("activation,interleaved", [("gpt_oss", True), ("gpt_oss", False), ("silu", True)])
+def test_gpt_oss_activation_layout_and_biases(activation, interleaved, device):
+    case = Case(6, 4, 2, 64, 32, "gpt-oss style")
+    x, w13, w2, ids, wts, b13, b2 = _problem(case, "mxfp4", device, bias=True)
+    kw = dict(activation=activation, interleaved=interleaved, w13_bias=b13, w2_bias=b2)
+    assert_close(fp4_moe_experts(x, w13, w2, ids, wts, configs=SMALL, **kw),
+                 fp4_moe_reference(x, w13, w2, ids, wts, **kw))
+
+
+def test_default_configs_custom_op_and_determinism(device):
+    case = Case(8, 6, 2, 64, 32, "")
+    x, w13, w2, ids, wts, _, _ = _problem(case, "nvfp4", device)
+    a = moe_experts(x, w13, w2, ids, wts)
+    b = moe_experts(x, w13, w2, ids, wts)
+    assert torch.equal(a, b)  # bitwise: fixed summation order, no atomics
+    assert_close(a, fp4_moe_reference(x, w13, w2, ids, wts))
+
+
+def test_zero_tokens(device):
+    x, w13, w2, ids, wts, _, _ = _problem(Case(2, 4, 2, 64, 32, ""), "nvfp4", device)
+    assert fp4_moe_experts(x[:0], w13, w2, ids[:0], wts[:0]).shape == (0, 64)
+
+
+def test_dispatch_plan_tiles_cover_each_expert_once():
+    ids = torch.tensor([[0, 3], [3, 1], [3, 0], [2, 3], [3, 4]], dtype=torch.int32)
+    plan = plan_dispatch(ids, n_experts=6, block_m=2)
+    assert plan.max_tiles == max_tiles(10, 6, 2) == 5 + 6
+    pairs = plan.sorted_pair.tolist()
+    experts = ids.reshape(-1)[plan.sorted_pair.long()].tolist()
+    assert experts == sorted(experts)  # sorted by expert
+    assert pairs == sorted(range(10), key=lambda p: (ids.reshape(-1)[p].item(), p))  # stable
+    assert plan.sorted_token.tolist() == [p // 2 for p in pairs]
+    tiles = [(e, s, t) for e, s, t in zip(plan.tile_expert.tolist(), plan.tile_start.tolist(), plan.tile_end.tolist())
+             if e >= 0]
+    assert tiles == [(0, 0, 2), (1, 2, 3), (2, 3, 4), (3, 4, 6), (3, 6, 8), (3, 8, 9), (4, 9, 10)]
+    assert plan.counts.tolist() == [2, 1, 1, 5, 1, 0]
+
+
+def test_bad_inputs(device):
+    x, w13, w2, ids, wts, _, _ = _problem(Case(3, 4, 2, 64, 32, ""), "nvfp4", device)
+    w2_wrong = fp4moe.quantize(torch.randn(4, 64, 48), "nvfp4").to(device)
+    with pytest.raises(ValueError, match=r"w13 \(4, 64, 64\) and w2 \(4, 64, 48\) disagree"):
+        fp4_moe_experts(x, w13, w2_wrong, ids, wts)
+    w2_mx = fp4moe.quantize(torch.randn(4, 64, 32), "mxfp4").to(device)
+    with pytest.raises(ValueError, match="w13 nvfp4 and w2 mxfp4"):
+        fp4_moe_experts(x, w13, w2_mx, ids, wts)
+    with pytest.raises(ValueError, match="topk_weights: expected shape"):
+        fp4_moe_experts(x, w13, w2, ids, wts[:, :1])
+    with pytest.raises(ValueError, match=r"x: expected \[T, 64\]"):
+        fp4_moe_experts(x[:, :32], w13, w2, ids, wts)
+    with pytest.raises(ValueError, match="activation"):
+        fp4_moe_experts(x, w13, w2, ids, wts, activation="gelu")
+
+
+# ------------------------------------------------------------------------------ GPU
+
+
+GPU_CASES = [
+    Case(1, 256, 8, 6144, 2048, "GLM-5 decode, one token"),
+    Case(16, 256, 8, 6144, 2048, "GLM-5 decode"),
+    Case(512, 256, 8, 6144, 2048, "GLM-5 prefill-ish"),
+    Case(64, 128, 8, 2048, 768, "Qwen3-30B-A3B"),
+    Case(64, 128, 8, 2048, 768, "Qwen3-30B-A3B, all tokens on one expert", "one_expert"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c.T}_E{c.E}_H{c.H}_{c.routing}")
+def test_gpu_model_sizes(case):
+    x, w13, w2, ids, wts, _, _ = _problem(case, "nvfp4", "cuda")
+    out = moe_experts(x, w13, w2, ids, wts)
+    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts))
+    assert torch.equal(out, moe_experts(x, w13, w2, ids, wts))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_compile():
+    case = Case(16, 64, 4, 1024, 512, "")
+    x, w13, w2, ids, wts, _, _ = _problem(case, "nvfp4", "cuda")
+    ref = fp4_moe_reference(x, w13, w2, ids, wts)
+    moe_experts(x, w13, w2, ids, wts)  # guard and compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_experts(x, w13, w2, ids, wts)
+    graph.replay()
+    assert_close(out, ref)
+    f = torch.compile(lambda a: moe_experts(a, w13, w2, ids, wts), fullgraph=True)
+    assert_close(f(x), ref)
+
+
+def test_cross_compile_default_configs():
+    """Both grouped GEMMs at GLM-5 decode and prefill configurations fit every target, no spills."""
+    from fp4moe.arch import get_arch
+    from fp4moe.ops.moe import choose_moe_configs, compile_request
+    from fp4moe.plan.crosscompile import cross_compile
+
+    reqs = []
+    for T in (16, 4096):
+        g1, g2 = choose_moe_configs(T, 8, 256, 6144, 2048)
+        for cc in (80, 90, 120):
+            reqs.append(compile_request(g1, "nvfp4", cc, swiglu=1, gather=True, scatter=False))
+            reqs.append(compile_request(g2, "nvfp4", cc, swiglu=0, gather=False, scatter=True, out_dtype="fp32"))
+    for q, r in zip(reqs, cross_compile(reqs)):
+        assert r.ok, r.error
+        assert r.shared <= get_arch(q.cc).smem_per_block_optin
+        assert r.spill_bytes == 0, r.ptxas_log
+        assert any("mma" in m for m in r.mma)
