@@ -391,9 +391,12 @@ def test_stacked_matrices_may_carry_one_global_scale_each():
     per = [fp4moe.quantize(w[e]) for e in range(3)]
     stacked = fp4moe.FP4Tensor(
         data=torch.stack([p.data for p in per]), scales=torch.stack([p.scales for p in per]),
-        global_scale=torch.stack([p.global_scale.reshape(()) for p in per]), shape=w.shape, fmt="nvfp4")
+        global_scale=torch.stack([p.global_scale.reshape(1) for p in per]), shape=w.shape, fmt="nvfp4")  # [E, 1]
     got = fp4moe.dequantize(stacked, torch.float32)
     for e in range(3):
         assert torch.equal(got[e], fp4moe.dequantize(per[e], torch.float32))
-    with pytest.raises(ValueError, match=r"one per matrix of shape \(3,\)"):
-        fp4moe.FP4Tensor(stacked.data, stacked.scales, torch.ones(2), w.shape, "nvfp4")
+    per_row = fp4moe.FP4Tensor(stacked.data, stacked.scales, stacked.global_scale.expand(3, 32).contiguous(),
+                               w.shape, "nvfp4")  # [E, N]: the same globals, row by row
+    assert torch.equal(fp4moe.dequantize(per_row, torch.float32), got)
+    with pytest.raises(ValueError, match=r"broadcasting to \(3, 32\)"):
+        fp4moe.FP4Tensor(stacked.data, stacked.scales, torch.ones(2, 1), w.shape, "nvfp4")

@@ -17,11 +17,8 @@ from fp4moe.ops.moe import (
     plan_dispatch,
 )
 
-TOL = TOLERANCES["fp4_moe"]
-
-
-def assert_close(out, ref):
-    problem = guard.compare(out, ref, TOL)
+def assert_close(out, ref, mode="w4a16"):
+    problem = guard.compare(out, ref, TOLERANCES["fp4_moe" if mode == "w4a16" else "fp4_moe_w4a4"])
     assert problem is None, problem
 
 
@@ -79,14 +76,14 @@ SMALL = (MoEGemmConfig(16, 16, 64, 4, 1), MoEGemmConfig(16, 16, 64, 4, 1))
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: f"T{c.T}_E{c.E}_k{c.k}_H{c.H}_I{c.I}_{c.routing}")
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_experts_match_reference(case, fmt, device):
+@pytest.mark.parametrize("fmt,mode", [("nvfp4", "w4a16"), ("mxfp4", "w4a16"), ("nvfp4", "w4a4")])
+def test_experts_match_reference(case, fmt, mode, device):
     if fmt == "mxfp4" and (case.H % 32 or case.I % 32):
         pytest.skip("MXFP4 needs H and I multiples of 32")
     x, w13, w2, ids, wts, _, _ = _problem(case, fmt, device)
     shared = torch.randn_like(x)
-    out = fp4_moe_experts(x, w13, w2, ids, wts, shared_out=shared, configs=SMALL)
-    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts, shared_out=shared))
+    out = fp4_moe_experts(x, w13, w2, ids, wts, shared_out=shared, configs=SMALL, mode=mode)
+    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts, shared_out=shared, mode=mode), mode)
 
 
 @pytest.mark.parametrize("activation,interleaved", [("gpt_oss", True), ("gpt_oss", False), ("silu", True)])
@@ -156,12 +153,13 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"T{c.T}_E{c.E}_H{c.H}_{c.routing}")
-def test_gpu_model_sizes(case):
+def test_gpu_model_sizes(case, mode):
     x, w13, w2, ids, wts, _, _ = _problem(case, "nvfp4", "cuda")
-    out = moe_experts(x, w13, w2, ids, wts)
-    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts))
-    assert torch.equal(out, moe_experts(x, w13, w2, ids, wts))
+    out = moe_experts(x, w13, w2, ids, wts, mode=mode)
+    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts, mode=mode), mode)
+    assert torch.equal(out, moe_experts(x, w13, w2, ids, wts, mode=mode))
 
 
 @pytest.mark.gpu
@@ -191,8 +189,37 @@ def test_cross_compile_default_configs():
         for cc in (80, 90, 120):
             reqs.append(compile_request(g1, "nvfp4", cc, swiglu=1, gather=True, scatter=False))
             reqs.append(compile_request(g2, "nvfp4", cc, swiglu=0, gather=False, scatter=True, out_dtype="fp32"))
+        for cc, act in ((90, 1), (120, 2), (100, 2)):  # W4A4: emulated on Hopper, native FP4 MMA on Blackwell
+            w1, _ = choose_moe_configs(T, 8, 256, 6144, 2048, arch=get_arch(cc), mode="w4a4")
+            reqs.append(compile_request(w1, "nvfp4", cc, swiglu=1, gather=True, scatter=False, act=act))
     for q, r in zip(reqs, cross_compile(reqs)):
+        if q.constexprs["ACT"] == 2:
+            assert r.ok and any("kind::mxf4nvf4" in m for m in r.mma), (q.cc, r.error, r.mma)
+            continue
         assert r.ok, r.error
         assert r.shared <= get_arch(q.cc).smem_per_block_optin
         assert r.spill_bytes == 0, r.ptxas_log
         assert any("mma" in m for m in r.mma)
+
+
+@pytest.mark.parametrize("per", ["expert", "row"])
+def test_per_expert_and_per_row_global_scales(per, device):
+    """Checkpoints quantize each expert (and gate / up) with its own global: [E, 1] or [E, N]."""
+    case = Case(6, 4, 2, 64, 32, "")
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(case.T, case.H, generator=g).to(device=device, dtype=torch.bfloat16)
+    mags = torch.tensor([0.5, 1.0, 4.0, 0.25]).reshape(4, 1, 1)
+    parts13 = [fp4moe.quantize(torch.randn(2 * case.I, case.H, generator=g) * mags[e]) for e in range(4)]
+    parts2 = [fp4moe.quantize(torch.randn(case.H, case.I, generator=g) * mags[e]) for e in range(4)]
+
+    def stack(parts, n):
+        gs = torch.stack([p.global_scale.reshape(1) for p in parts])  # [E, 1]
+        if per == "row":
+            gs = gs.expand(4, n).contiguous()
+        return fp4moe.FP4Tensor(torch.stack([p.data for p in parts]), torch.stack([p.scales for p in parts]), gs,
+                                torch.Size((4, n, parts[0].shape[1])), "nvfp4").to(device)
+
+    w13, w2 = stack(parts13, 2 * case.I), stack(parts2, case.H)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(case.T)]).to(device=device, dtype=torch.int32)
+    wts = torch.rand(case.T, 2, generator=g).to(device)
+    assert_close(fp4_moe_experts(x, w13, w2, ids, wts, configs=SMALL), fp4_moe_reference(x, w13, w2, ids, wts))

@@ -23,8 +23,10 @@ console = Console()
 
 def _mount_subcommands() -> None:
     from .bench.cli import bench_app
+    from .checkpoints.cli import quantize_command
 
     app.add_typer(bench_app, name="bench")
+    app.command("quantize")(quantize_command)
 
 
 _mount_subcommands()

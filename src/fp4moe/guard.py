@@ -60,6 +60,13 @@ TOLERANCES: dict[str, Tolerance] = {
                "kernel and reference, and a 1-ulp difference of the first GEMM can flip that rounding "
                "(2**-8 relative on one h element), which the second GEMM averages over I terms",
     ),
+    "fp4_moe_w4a4": Tolerance(
+        max_rel=1.5e-1, rms_rel=6e-2,
+        reason="the SwiGLU output is re-quantized to NVFP4: where kernel and reference differ by one bf16 "
+               "ulp (accumulation order) next to an E2M1 rounding midpoint, the element lands one E2M1 "
+               "step (25-50% of its value) apart; a few percent of elements do, so the layer output "
+               "differs by a few percent RMS. The quantizer itself is bit-exact (tested separately)",
+    ),
 }
 
 

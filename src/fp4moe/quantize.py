@@ -38,8 +38,9 @@ class FP4Tensor:
     Attributes:
         data: uint8 [..., K/2], two E2M1 codes per byte, the even element in the low nibble.
         scales: [..., K/block] row-major; float8_e4m3fn (NVFP4) or uint8 E8M0 exponents (MXFP4).
-        global_scale: NVFP4: fp32 with one element, or one per stacked matrix (shape ``shape[:-2]``,
-            e.g. [E] for expert weights [E, N, K]); MXFP4: None.
+        global_scale: NVFP4: fp32 with one element, or with one dimension per leading dimension
+            that broadcasts to ``shape[:-1]``: [E, 1] (per expert) or [E, N] (per row) for stacked
+            expert weights [E, N, K], whose experts (and gate/up halves) carry their own; MXFP4: None.
         shape: the logical shape [..., K].
         fmt: the format.
     """
@@ -72,11 +73,12 @@ class FP4Tensor:
                 raise ValueError(f"global_scale: {fmt} needs an fp32 global scale, got None")
             if self.global_scale.dtype != torch.float32:
                 raise TypeError(f"global_scale: expected float32, got {self.global_scale.dtype}")
-            per_matrix = len(self.shape) >= 3 and tuple(self.global_scale.shape) == tuple(self.shape[:-2])
-            if self.global_scale.numel() != 1 and not per_matrix:
-                raise ValueError(f"global_scale: expected one value, or one per matrix of shape "
-                                 f"{tuple(self.shape[:-2])} for stacked matrices, got shape "
-                                 f"{tuple(self.global_scale.shape)}")
+            gs_shape = tuple(self.global_scale.shape)
+            broadcasts = len(gs_shape) == len(lead) and all(g in (1, n) for g, n in zip(gs_shape, lead))
+            if self.global_scale.numel() != 1 and not broadcasts:
+                raise ValueError(f"global_scale: expected one value, or one dimension per leading dimension of "
+                                 f"{tuple(self.shape)} broadcasting to {tuple(lead)} (e.g. [E, 1] per expert, "
+                                 f"[E, N] per row), got shape {gs_shape}")
         elif self.global_scale is not None:
             raise ValueError(f"global_scale: {fmt} has no global scale, got a tensor")
 
@@ -222,7 +224,6 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tenso
     out = values * t.block_scales_fp32().unsqueeze(-1)
     if t.global_scale is not None:
         g = t.global_scale
-        if g.numel() != 1:  # one per stacked matrix (e.g. per expert): broadcast over [N, K/bs, bs]
-            g = g.reshape(*g.shape, 1, 1, 1)
-        out = out * g
+        # one value, or one per leading index (per expert [E, 1], per row [E, N]): broadcast over the blocks
+        out = out * (g.reshape(*g.shape, 1, 1) if g.numel() != 1 else g.reshape(()))
     return out.reshape(t.shape).to(dtype)

@@ -39,11 +39,29 @@ def _weight_rows_dot(acc, w_ptr, ws_ptr, rows, row_mask, xt, k0, k_end, offs_kb,
 
 
 @triton.jit
+def _weight_rows_dot_scaled(acc, w_ptr, ws_ptr, rows, row_mask, xq, xs, k0, k_end, offs_kb, offs_kw,
+                            stride_wn, stride_wsn, GROUP: tl.constexpr, W_E4M3: tl.constexpr):
+    """acc += W[rows, k-step] @ X^T with native block-scaled FP4 MMA (SM100/SM120 only)."""
+    kb = k0 // 2 + offs_kb
+    kw = k0 // GROUP + offs_kw
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=row_mask[:, None] & (kb < k_end // 2)[None, :],
+                other=0)
+    ws = tl.load(ws_ptr + rows[:, None] * stride_wsn + kw[None, :],
+                 mask=row_mask[:, None] & (kw < k_end // GROUP)[None, :], other=0)
+    if W_E4M3:
+        ws = ws.to(tl.float8e4nv, bitcast=True)
+    return tl.dot_scaled(w, ws, "e2m1", tl.trans(xq), xs.to(tl.float8e4nv, bitcast=True), "e2m1", acc)
+
+
+@triton.jit
 def moe_gemm_kernel(
-    x_ptr,  # [rows of x, K] bf16/fp16 (stride_xm, 1): tokens (GEMM 1, gathered) or h rows (GEMM 2)
+    x_ptr,  # [rows of x, K] bf16/fp16 (stride_xm, 1): tokens (GEMM 1, gathered) or h rows (GEMM 2);
+    # ACT 1/2: [rows of x, K/2] uint8 packed NVFP4
+    xs_ptr,  # ACT 1/2: [rows of x, K/16] uint8 E4M3 scales (stride_xsm, 1); unused otherwise
+    xg_ptr,  # ACT 1/2: [1] fp32 activation global scale; unused otherwise
     w_ptr,  # [E, N_w, K/2] uint8 packed expert weights (stride_we, stride_wn, 1)
     ws_ptr,  # [E, N_w, K/GROUP] uint8 scales (stride_wse, stride_wsn, 1)
-    wg_ptr,  # [E] fp32 per-expert global scales (HAS_WG) or unused
+    wg_ptr,  # fp32 weight global scales: [E] (WG_MODE 1, per expert) or [E, N_w] (WG_MODE 2, per row)
     bias_ptr,  # [E, N_w] per-expert bias (HAS_BIAS) or unused (stride_be)
     row_x_ptr,  # [R] int32: x row of each sorted row (GATHER) or unused
     row_out_ptr,  # [R] int32: output row of each sorted row (SCATTER) or unused
@@ -53,11 +71,12 @@ def moe_gemm_kernel(
     tile_end_ptr,  # [max_tiles] int32 one past its last row
     out_ptr,  # [rows of out, N_out] (stride_om, 1)
     N_out, K, I_half,  # output columns; reduction length; GEMM 1: offset of the up rows (= N_out)
-    stride_xm, stride_we, stride_wn, stride_wse, stride_wsn, stride_be, stride_om,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_ge, stride_be, stride_om,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     W_E4M3: tl.constexpr, SWIGLU: tl.constexpr, INTERLEAVED: tl.constexpr, GATHER: tl.constexpr,
-    SCATTER: tl.constexpr, HAS_RW: tl.constexpr, HAS_WG: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCATTER: tl.constexpr, HAS_RW: tl.constexpr, WG_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
+    ACT: tl.constexpr,  # 0 bf16/fp16 activations; 1 NVFP4 decoded in-kernel; 2 NVFP4 native (dot_scaled)
 ):
     """Grid (cdiv(N_out, BLOCK_N), max_tiles). One program: BLOCK_N output columns of one tile of
     rows of one expert, over all of K. Programs of unused tiles (expert -1) return at once."""
@@ -76,6 +95,9 @@ def moe_gemm_kernel(
         x_rows = rows
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = cols < N_out
+    # the weight rows this program reads: GEMM 1 takes the gate rows and the up rows of its
+    # columns as one [2 * BLOCK_N]-row tile (one MMA; two dot_scaled in one loop break Triton 3.6
+    # on SM100), GEMM 2 just its columns
     if SWIGLU > 0:
         if INTERLEAVED:
             gate_rows = 2 * cols
@@ -83,40 +105,74 @@ def moe_gemm_kernel(
         else:
             gate_rows = cols
             up_rows = I_half + cols
+        w_rows = tl.reshape(tl.trans(tl.join(gate_rows, up_rows)), (2 * BLOCK_N,))
+        w_mask = tl.reshape(tl.trans(tl.join(c_mask, c_mask)), (2 * BLOCK_N,))
+        ROWS: tl.constexpr = 2 * BLOCK_N
     else:
         gate_rows = cols
         up_rows = cols
+        w_rows = cols
+        w_mask = c_mask
+        ROWS: tl.constexpr = BLOCK_N
     w_e = w_ptr + e.to(tl.int64) * stride_we
     ws_e = ws_ptr + e.to(tl.int64) * stride_wse
     offs_kb = tl.arange(0, BLOCK_K // 2)
     offs_kw = tl.arange(0, BLOCK_K // GROUP)
     offs_k = tl.arange(0, BLOCK_K)
-    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    offs_kx = tl.arange(0, BLOCK_K // 16)
+    acc = tl.zeros((ROWS, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        xt = tl.load(x_ptr + x_rows[None, :].to(tl.int64) * stride_xm + kk[:, None],
-                     mask=r_mask[None, :] & (kk < K)[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_K, BLOCK_M]
-        acc_g = _weight_rows_dot(acc_g, w_e, ws_e, gate_rows, c_mask, xt, k0, K, offs_kb, offs_kw, stride_wn,
-                                 stride_wsn, BLOCK_N, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE, FAST_DECODE)
-        if SWIGLU > 0:
-            acc_u = _weight_rows_dot(acc_u, w_e, ws_e, up_rows, c_mask, xt, k0, K, offs_kb, offs_kw, stride_wn,
-                                     stride_wsn, BLOCK_N, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE, FAST_DECODE)
+        if ACT == 0:
+            kk = k0 + offs_k
+            xt = tl.load(x_ptr + x_rows[None, :].to(tl.int64) * stride_xm + kk[:, None],
+                         mask=r_mask[None, :] & (kk < K)[:, None], other=0.0).to(COMPUTE_DTYPE)  # [BLOCK_K, BLOCK_M]
+            acc = _weight_rows_dot(acc, w_e, ws_e, w_rows, w_mask, xt, k0, K, offs_kb, offs_kw, stride_wn,
+                                   stride_wsn, ROWS, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE, FAST_DECODE)
+        else:
+            kb = k0 // 2 + offs_kb
+            kx = k0 // 16 + offs_kx
+            xq = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + kb[None, :],
+                         mask=r_mask[:, None] & (kb < K // 2)[None, :], other=0)  # [BLOCK_M, BLOCK_K/2]
+            xs = tl.load(xs_ptr + x_rows[:, None].to(tl.int64) * stride_xsm + kx[None, :],
+                         mask=r_mask[:, None] & (kx < K // 16)[None, :], other=0)  # [BLOCK_M, BLOCK_K/16]
+            if ACT == 1:
+                if FAST_DECODE:
+                    xt = tl.trans(decode_fp4_tile_fast(xq, xs, BLOCK_M, BLOCK_K, 16, True))
+                else:
+                    xt = tl.trans(decode_fp4_tile(xq, xs, BLOCK_M, BLOCK_K, 16, True, COMPUTE_DTYPE))
+                acc = _weight_rows_dot(acc, w_e, ws_e, w_rows, w_mask, xt, k0, K, offs_kb, offs_kw, stride_wn,
+                                       stride_wsn, ROWS, BLOCK_K, GROUP, W_E4M3, COMPUTE_DTYPE, FAST_DECODE)
+            else:
+                acc = _weight_rows_dot_scaled(acc, w_e, ws_e, w_rows, w_mask, xq, xs, k0, K, offs_kb, offs_kw,
+                                              stride_wn, stride_wsn, GROUP, W_E4M3)
+    if SWIGLU > 0:
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    else:
+        acc_g = acc
+        acc_u = acc
 
     scale = 1.0
-    if FAST_DECODE:
+    if FAST_DECODE and ACT != 2:
         if W_E4M3:
             scale = FAST_FOLD_E4M3
         else:
             scale = FAST_FOLD_E8M0
-    if HAS_WG:
+        if ACT == 1:
+            scale = scale * FAST_FOLD_E4M3
+    if ACT != 0:
+        scale = scale * tl.load(xg_ptr)
+    if WG_MODE == 1:
         scale = scale * tl.load(wg_ptr + e)
     g = acc_g * scale
+    if WG_MODE == 2:  # each weight row has its own global (gate and up quantized separately)
+        g = g * tl.load(wg_ptr + e.to(tl.int64) * stride_ge + gate_rows, mask=c_mask, other=0.0)[:, None]
     if HAS_BIAS:
         b_e = bias_ptr + e.to(tl.int64) * stride_be
         g += tl.load(b_e + gate_rows, mask=c_mask, other=0.0).to(tl.float32)[:, None]
     if SWIGLU > 0:
         u = acc_u * scale
+        if WG_MODE == 2:
+            u = u * tl.load(wg_ptr + e.to(tl.int64) * stride_ge + up_rows, mask=c_mask, other=0.0)[:, None]
         if HAS_BIAS:
             u += tl.load(b_e + up_rows, mask=c_mask, other=0.0).to(tl.float32)[:, None]
         if SWIGLU == 1:  # silu(g) * u

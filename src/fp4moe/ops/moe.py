@@ -41,11 +41,17 @@ class MoEGemmConfig:
         return f"n{self.block_n}_m{self.block_m}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}"
 
 
-def choose_moe_configs(T: int, top_k: int, n_experts: int, H: int, I: int) -> tuple[MoEGemmConfig, MoEGemmConfig]:
+def choose_moe_configs(T: int, top_k: int, n_experts: int, H: int, I: int, *, arch=None,
+                       mode: str = "w4a16") -> tuple[MoEGemmConfig, MoEGemmConfig]:
     """(GEMM 1, GEMM 2) configurations. Decode: few rows per expert, so 16-row tiles and narrow
     N tiles that spread each active expert's weights over many programs (the linear kernel's
-    decode tile). Prefill: wide tiles. Both share block_m, since one dispatch plan serves both."""
+    decode tile). Prefill: wide tiles. Both share block_m, since one dispatch plan serves both.
+    Native W4A4 on tcgen05 (SM100) needs 128 weight rows per MMA: not tuned on silicon."""
     rows_per_expert = T * top_k / n_experts
+    if mode == "w4a4" and arch is not None and arch.fp4_mma == "tcgen05":
+        bm = 16 if rows_per_expert <= 16 else 128
+        cfg = MoEGemmConfig(block_n=128, block_m=bm, block_k=128, num_warps=4 if bm == 16 else 8, num_stages=3)
+        return cfg, cfg
     if rows_per_expert <= 16:
         g1 = MoEGemmConfig(block_n=32, block_m=16, block_k=256, num_warps=4, num_stages=1)
         g2 = MoEGemmConfig(block_n=64, block_m=16, block_k=256, num_warps=4, num_stages=1)
@@ -132,9 +138,26 @@ def _compute_dtype(x_dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x_dtype]
 
 
-def launch_moe_gemm(x: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, cfg: MoEGemmConfig, *,
-                    swiglu: int, interleaved: bool, gather: bool, scatter: bool,
-                    row_weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+def _weight_globals(w: FP4Tensor) -> tuple[torch.Tensor | None, int]:
+    """The kernel's view of a stacked weight's global scales: (None, 0) for MXFP4; ([E], 1) for one
+    global (per tensor or per expert [E, 1]); ([E, N], 2) for one per row (checkpoints whose gate
+    and up halves were quantized separately)."""
+    g = w.global_scale
+    if g is None:
+        return None, 0
+    E, N = w.shape[0], w.shape[1]
+    if g.numel() == 1:
+        return g.reshape(1).expand(E).contiguous(), 1
+    if g.shape[-1] == 1:
+        return g.reshape(E).contiguous(), 1
+    return g.reshape(E, N).contiguous(), 2
+
+
+def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor,
+                    cfg: MoEGemmConfig, *, swiglu: int, interleaved: bool, gather: bool, scatter: bool,
+                    row_weight: torch.Tensor | None, bias: torch.Tensor | None, act: int = 0) -> torch.Tensor:
+    """One grouped GEMM. ``x`` is bf16/fp16 rows (act 0) or their NVFP4 quantization (act 1:
+    decoded in the kernel; act 2: native block-scaled FP4 MMA)."""
     import triton
 
     from ..kernels.moe import moe_gemm_kernel
@@ -142,25 +165,31 @@ def launch_moe_gemm(x: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torc
     E, N_w, K = w.shape
     n_out = N_w // 2 if swiglu else N_w
     ws = w.scales.view(torch.uint8)
-    wg = w.global_scale
-    per_expert_g = None
-    if wg is not None:
-        per_expert_g = wg.reshape(-1).expand(E).contiguous() if wg.numel() == 1 else wg.reshape(E)
+    wg, wg_mode = _weight_globals(w)
     placeholder = plan.sorted_pair
-    fast = not _interpreting() and x.dtype == torch.bfloat16
+    if act == 0:
+        x_arg, xs_arg, xg_arg, stride_xsm = x, placeholder, placeholder, 0
+        compute = _compute_dtype(x.dtype)
+        fast = not _interpreting() and x.dtype == torch.bfloat16
+    else:
+        x_arg, xs_arg, xg_arg = x.data, x.scales.view(torch.uint8), x.global_scale
+        stride_xsm = xs_arg.stride(0)
+        compute = _compute_dtype(torch.bfloat16)
+        fast = not _interpreting() and act == 1
     grid = (triton.cdiv(n_out, cfg.block_n), plan.max_tiles)
     moe_gemm_kernel[grid](
-        x, w.data, ws, per_expert_g if per_expert_g is not None else placeholder,
+        x_arg, xs_arg, xg_arg, w.data, ws, wg if wg is not None else placeholder,
         bias if bias is not None else placeholder,
         plan.sorted_token, plan.sorted_pair, row_weight if row_weight is not None else placeholder,
         plan.tile_expert, plan.tile_start, plan.tile_end, out,
         n_out, K, N_w // 2,
-        x.stride(0), w.data.stride(0), w.data.stride(1), ws.stride(0), ws.stride(1),
+        x_arg.stride(0), stride_xsm, w.data.stride(0), w.data.stride(1), ws.stride(0), ws.stride(1),
+        wg.stride(0) if wg_mode == 2 else 0,
         bias.stride(0) if bias is not None else 0, out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP=w.block_size,
         W_E4M3=w.fmt.scale_kind == "e4m3", SWIGLU=swiglu, INTERLEAVED=interleaved, GATHER=gather,
-        SCATTER=scatter, HAS_RW=row_weight is not None, HAS_WG=per_expert_g is not None,
-        HAS_BIAS=bias is not None, COMPUTE_DTYPE=_compute_dtype(x.dtype), FAST_DECODE=fast,
+        SCATTER=scatter, HAS_RW=row_weight is not None, WG_MODE=wg_mode,
+        HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, FAST_DECODE=fast, ACT=act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -210,47 +239,89 @@ def check_moe_inputs(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: t
     return E, I, H, topk_ids.shape[1]
 
 
+def _act_code(mode: str, w: FP4Tensor, device: torch.device) -> int:
+    """0 for W4A16; for W4A4 (NVFP4 only) 2 where the GPU has native FP4 MMA, else 1."""
+    if mode == "w4a16":
+        return 0
+    if mode != "w4a4":
+        raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
+    if w.fmt.name != "nvfp4":
+        raise ValueError(f"mode: 'w4a4' needs NVFP4 expert weights, got {w.fmt}")
+    from .linear import choose_path, device_arch
+
+    return 2 if choose_path("w4a4", device_arch(device)) == "w4a4_native" else 1
+
+
+def _quantize_rows(x: torch.Tensor, global_scale: torch.Tensor | None) -> FP4Tensor:
+    from .quantize import quantize_activations
+
+    return quantize_activations(x, global_scale)
+
+
 def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor,
                     topk_weights: torch.Tensor, *, activation: Activation = "silu", interleaved: bool = False,
                     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                    shared_out: torch.Tensor | None = None,
+                    shared_out: torch.Tensor | None = None, mode: str = "w4a16",
+                    input_global_scale: torch.Tensor | None = None,
                     configs: tuple[MoEGemmConfig, MoEGemmConfig] | None = None) -> torch.Tensor:
-    """Routed experts of one MoE layer (W4A16): ``sum_s w[t,s] * FFN_{ids[t,s]}(x[t]) (+ shared_out)``.
+    """Routed experts of one MoE layer: ``sum_s w[t,s] * FFN_{ids[t,s]}(x[t]) (+ shared_out)``.
 
     x [T, H] bf16/fp16; w13 [E, 2I, H] FP4 (gate rows then up rows, or interleaved);
     w2 [E, H, I]; topk_ids int [T, k]; topk_weights fp32 [T, k]. No host synchronisation.
+    mode "w4a4" (NVFP4): x is quantized once per token (global ``input_global_scale`` or dynamic)
+    and the SwiGLU output is re-quantized before the second GEMM.
     """
     E, I, H, k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     if activation not in _SWIGLU:
         raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
+    act = _act_code(mode, w13, x.device)
     T = x.shape[0]
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    g1, g2 = configs or choose_moe_configs(T, k, E, H, I)
+    if configs is None:
+        from .linear import device_arch
+
+        configs = choose_moe_configs(T, k, E, H, I, arch=device_arch(x.device), mode=mode)
+    g1, g2 = configs
     if g1.block_m != g2.block_m:
         raise ValueError(f"configs: both GEMMs must share block_m (one dispatch plan), got {g1.block_m} and {g2.block_m}")
     x = x.contiguous()
-    key = guard.GuardKey(kernel=f"fp4_moe[{w13.fmt},{activation},{'interleaved' if interleaved else 'gate_up'}]",
-                         config=f"{g1}|{g2}", device=guard.device_name(x.device))
+    layout = "interleaved" if interleaved else "gate_up"
+    key = guard.GuardKey(kernel=f"fp4_moe[{w13.fmt},{mode},{activation},{layout}]", config=f"{g1}|{g2}",
+                         device=guard.device_name(x.device))
     if guard.should_check(key):
-        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, (g1, g2)),
-                    tolerance="fp4_moe")
+        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, mode, (g1, g2)),
+                    tolerance="fp4_moe" if mode == "w4a16" else "fp4_moe_w4a4")
     if guard.use_reference(key):
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
-                                 w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
+                                 w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out, mode=mode,
+                                 input_global_scale=input_global_scale)
     plan = plan_dispatch(topk_ids, E, g1.block_m)
+    return _run(x, w13, w2, topk_weights, plan, (g1, g2), k, act, activation, interleaved, w13_bias, w2_bias,
+                shared_out, input_global_scale, out)
+
+
+def _run(x, w13, w2, topk_weights, plan, configs, k, act, activation, interleaved, w13_bias, w2_bias, shared_out,
+         input_global_scale, out):
+    """The launches of one layer: [quantize x] -> GEMM 1 -> [re-quantize h] -> GEMM 2 -> combine."""
+    T, H = x.shape
+    I = w2.shape[2]
+    g1, g2 = configs
+    x_in = _quantize_rows(x, input_global_scale) if act else x
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    launch_moe_gemm(x, w13, plan, h, g1, swiglu=_SWIGLU[activation], interleaved=interleaved, gather=True,
-                    scatter=False, row_weight=None, bias=w13_bias)
+    launch_moe_gemm(x_in, w13, plan, h, g1, swiglu=_SWIGLU[activation], interleaved=interleaved, gather=True,
+                    scatter=False, row_weight=None, bias=w13_bias, act=act)
+    h_in = _quantize_rows(h, None) if act else h
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
-    launch_moe_gemm(h, w2, plan, y_pair, g2, swiglu=0, interleaved=False, gather=False, scatter=True,
-                    row_weight=row_w, bias=w2_bias)
+    launch_moe_gemm(h_in, w2, plan, y_pair, g2, swiglu=0, interleaved=False, gather=False, scatter=True,
+                    row_weight=row_w, bias=w2_bias, act=act)
     return launch_combine(y_pair, k, shared_out, out)
 
 
-def _probe(device, dtype, fmt, activation, interleaved, configs):
+def _probe(device, dtype, fmt, activation, interleaved, mode, configs):
+    """A small layer through the same launches and configurations, and its reference."""
     from ..quantize import quantize
 
     g = torch.Generator().manual_seed(4321)
@@ -261,14 +332,9 @@ def _probe(device, dtype, fmt, activation, interleaved, configs):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device=device, dtype=torch.int32)
     wts = torch.rand(T, k, generator=g).to(device)
     plan = plan_dispatch(ids, E, configs[0].block_m)
-    h = torch.empty((T * k, I), dtype=dtype, device=device)
-    launch_moe_gemm(x, w13, plan, h, configs[0], swiglu=_SWIGLU[activation], interleaved=interleaved, gather=True,
-                    scatter=False, row_weight=None, bias=None)
-    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=device)
-    launch_moe_gemm(h, w2, plan, y_pair, configs[1], swiglu=0, interleaved=False, gather=False, scatter=True,
-                    row_weight=wts.reshape(-1)[plan.sorted_pair.long()], bias=None)
-    out = launch_combine(y_pair, k, None, torch.empty((T, H), dtype=dtype, device=device))
-    return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved)
+    out = _run(x, w13, w2, wts, plan, configs, k, _act_code(mode, w13, device), activation, interleaved, None, None,
+               None, None, torch.empty((T, H), dtype=dtype, device=device))
+    return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved, mode=mode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,11 +352,18 @@ def _activate(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> t
 def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor, *, activation: Activation = "silu", interleaved: bool = False,
                       w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                      shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                      shared_out: torch.Tensor | None = None, mode: str = "w4a16",
+                      input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The numerics the kernels match: fp32 products of dequantized weights; the SwiGLU output is
     rounded to x's dtype (the kernels store it so); each token sums its k expert outputs in slot
-    order in fp32, then adds the shared-expert output, and rounds once to x's dtype."""
+    order in fp32, then adds the shared-expert output, and rounds once to x's dtype.
+    W4A4: x is quantized to NVFP4 once ([T, H], one global scale), and the SwiGLU outputs of all
+    T*k pairs are quantized together ([T*k, I], dynamic global scale) before the second GEMM."""
+    from ..quantize import quantize
+
     E, I, H, k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    if mode not in ("w4a16", "w4a4"):
+        raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
     W13 = dequantize(w13, torch.float32)
     W2 = dequantize(w2, torch.float32)
     if interleaved:
@@ -302,7 +375,10 @@ def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: 
         gate_b = w13_bias[:, :I] if w13_bias is not None else None
         up_b = w13_bias[:, I:] if w13_bias is not None else None
     xf = x.to(torch.float32)
-    acc = torch.zeros(x.shape[0], H, dtype=torch.float32, device=x.device)
+    if mode == "w4a4":
+        xf = dequantize(quantize(x, "nvfp4", input_global_scale), torch.float32)
+    T = x.shape[0]
+    hs = []
     for s in range(k):
         ids = topk_ids[:, s].long()
         g = torch.einsum("th,tih->ti", xf, gate_w[ids])
@@ -310,7 +386,15 @@ def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: 
         if gate_b is not None:
             g = g + gate_b[ids].float()
             u = u + up_b[ids].float()
-        h = _activate(g, u, activation).to(x.dtype).to(torch.float32)
+        hs.append(_activate(g, u, activation).to(x.dtype))
+    h_all = torch.stack(hs, 1).reshape(T * k, I)  # pair order t * k + s
+    if mode == "w4a4":
+        h_all = dequantize(quantize(h_all, "nvfp4"), x.dtype)
+    h_all = h_all.to(torch.float32).reshape(T, k, I)
+    acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for s in range(k):
+        ids = topk_ids[:, s].long()
+        h = h_all[:, s]
         y = torch.einsum("ti,thi->th", h, W2[ids])
         if w2_bias is not None:
             y = y + w2_bias[ids].float()
@@ -329,47 +413,52 @@ def _moe_experts_op(x: torch.Tensor, w13_data: torch.Tensor, w13_scales: torch.T
                     w2_data: torch.Tensor, w2_scales: torch.Tensor, w2_global: torch.Tensor | None, fmt: str,
                     topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str, interleaved: bool,
                     w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                    shared_out: torch.Tensor | None) -> torch.Tensor:
+                    shared_out: torch.Tensor | None, mode: str,
+                    input_global_scale: torch.Tensor | None) -> torch.Tensor:
     E, two_i, half_h = w13_data.shape
     H = half_h * 2
     w13 = FP4Tensor(w13_data, w13_scales, w13_global, torch.Size((E, two_i, H)), fmt)
     w2 = FP4Tensor(w2_data, w2_scales, w2_global, torch.Size((E, H, two_i // 2)), fmt)
     return fp4_moe_experts(x, w13, w2, topk_ids, topk_weights, activation=activation,  # type: ignore[arg-type]
-                           interleaved=interleaved, w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
+                           interleaved=interleaved, w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out,
+                           mode=mode, input_global_scale=input_global_scale)
 
 
 @_moe_experts_op.register_fake
 def _moe_experts_fake(x, w13_data, w13_scales, w13_global, w2_data, w2_scales, w2_global, fmt, topk_ids,
-                      topk_weights, activation, interleaved, w13_bias, w2_bias, shared_out):
+                      topk_weights, activation, interleaved, w13_bias, w2_bias, shared_out, mode, input_global_scale):
     return torch.empty_like(x)
 
 
 def moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 *, activation: Activation = "silu", interleaved: bool = False, w13_bias: torch.Tensor | None = None,
-                w2_bias: torch.Tensor | None = None, shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                w2_bias: torch.Tensor | None = None, shared_out: torch.Tensor | None = None, mode: str = "w4a16",
+                input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``fp4_moe_experts`` through the ``fp4moe::moe_experts`` custom op (the module's entry point)."""
     check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     return _moe_experts_op(x, w13.data, w13.scales, w13.global_scale, w2.data, w2.scales, w2.global_scale,
                            w13.fmt.name, topk_ids, topk_weights, activation, interleaved, w13_bias, w2_bias,
-                           shared_out)
+                           shared_out, mode, input_global_scale)
 
 
 def compile_request(cfg: MoEGemmConfig, fmt: str, cc: int, *, swiglu: int, gather: bool, scatter: bool,
-                    out_dtype: str = "bf16"):
+                    out_dtype: str = "bf16", act: int = 0):
     """Cross-compilation request (``fp4moe.plan.crosscompile``) for one grouped GEMM."""
     from ..formats import get_format
     from ..plan.crosscompile import CompileRequest
 
     f = get_format(fmt)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
+    sig = {"x_ptr": "*bf16", "xs_ptr": "*u8", "xg_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
            "row_x_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32", "tile_expert_ptr": "*i32",
            "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "out_ptr": f"*{out_dtype}", "N_out": "i32", "K": "i32",
-           "I_half": "i32", "stride_xm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
-           "stride_wsn": "i32", "stride_be": "i32", "stride_om": "i32"}
+           "I_half": "i32", "stride_xm": "i32", "stride_xsm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
+           "stride_wsn": "i32", "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32"}
     consts = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP": f.block_size,
               "W_E4M3": f.scale_kind == "e4m3", "SWIGLU": swiglu, "INTERLEAVED": False, "GATHER": gather,
-              "SCATTER": scatter, "HAS_RW": scatter, "HAS_WG": f.has_global_scale, "HAS_BIAS": False,
-              "COMPUTE_DTYPE": "bf16", "FAST_DECODE": True}
+              "SCATTER": scatter, "HAS_RW": scatter, "WG_MODE": int(f.has_global_scale), "HAS_BIAS": False,
+              "COMPUTE_DTYPE": "bf16", "FAST_DECODE": act != 2, "ACT": act}
+    if act:
+        sig["x_ptr"] = "*u8"
     div = ("x_ptr", "w_ptr", "ws_ptr", "out_ptr", "N_out", "K", "I_half", "stride_xm", "stride_we", "stride_wn",
            "stride_wse", "stride_wsn", "stride_om")
     return CompileRequest(kernel="fp4moe.kernels.moe:moe_gemm_kernel", signature=sig, constexprs=consts, cc=cc,

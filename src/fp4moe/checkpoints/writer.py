@@ -1,0 +1,327 @@
+"""``write_checkpoint``: a bf16 Hugging Face model to an NVFP4 checkpoint (ModelOpt or compressed-tensors).
+
+The writer plans every output tensor from the source headers first (names, dtypes, shapes,
+shards), then streams: one source tensor is read, quantized and written at its planned offset
+before the next is read, so memory holds one tensor group however large the model. Everything
+goes to a temporary folder next to ``out_dir`` that is checked (re-opened as a checkpoint) and
+then renamed into place: ``out_dir`` is never half-written.
+
+Which tensors are quantized is :func:`fp4moe.checkpoints.policy.quantize_decision`; each becomes
+``fp4moe.quantize(w, "nvfp4", global_scale=checkpoint_global_scale(amax(w)))`` (the ModelOpt
+global ``amax/2688``, nudged by one ulp for the 17% of values whose fp32 reciprocal does not
+round-trip, so that both formats read back to the same FP4Tensor bit for bit). No activation
+scales are written (there is no calibration): the checkpoints are weight-only NVFP4, labelled
+``W4A16_NVFP4`` (ModelOpt) and ``input_activations: null`` (compressed-tensors), which W4A4
+kernels run with dynamic activation global scales.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ..quantize import quantize
+from .errors import CheckpointError
+from .policy import match_exclude, module_of, quantize_decision
+from .reader import Checkpoint
+from .safetensors_io import (
+    INDEX_NAME,
+    PICKLE_SUFFIXES,
+    SINGLE_NAME,
+    ShardWriter,
+    TensorInfo,
+    TensorSpec,
+    fsync_dir,
+    natural_key,
+    write_json,
+)
+from .scales import checkpoint_global_scale
+from .schemes import CT_FORMAT, HF_QUANT_CONFIG
+
+__all__ = ["write_checkpoint", "WriteReport", "WriteFormat", "WRITE_FORMATS", "DEFAULT_MAX_SHARD_BYTES",
+           "parse_size"]
+
+WriteFormat = Literal["modelopt", "compressed-tensors"]
+WRITE_FORMATS: tuple[str, ...] = ("modelopt", "compressed-tensors")
+#: Hugging Face's default shard size ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+MODELOPT_ALGO = "W4A16_NVFP4"
+_SKIP_FILES = {"config.json", INDEX_NAME, HF_QUANT_CONFIG}
+
+
+@dataclass(frozen=True)
+class WriteReport:
+    """What :func:`write_checkpoint` wrote."""
+
+    out_dir: Path
+    format: WriteFormat
+    quantized: tuple[str, ...]  # modules written as NVFP4 linears
+    kept: dict[str, str] = field(default_factory=dict)  # unquantized 2-D weights -> why
+    shards: tuple[str, ...] = ()
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One source tensor and the output tensors it becomes (three when quantized, else itself)."""
+
+    source: TensorInfo
+    outputs: tuple[TensorSpec, ...]
+    quantized: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 (bytes)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+        s = text.strip().upper().replace(" ", "")
+        number = s.rstrip("KMGTIB")
+        unit = s[len(number):]
+        try:
+            value = int(float(number) * units[unit])
+        except (ValueError, KeyError):
+            raise ValueError(f"size: expected a number of bytes with an optional unit (e.g. 5GB, 500MB, 2GiB), "
+                             f"got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"size: expected a positive number of bytes, got {text!r}")
+    return value
+
+
+def _quantized_outputs(module: str, n: int, k: int, fmt: WriteFormat) -> tuple[TensorSpec, ...]:
+    if fmt == "modelopt":
+        return (TensorSpec(f"{module}.weight", "U8", (n, k // 2)),
+                TensorSpec(f"{module}.weight_scale", "F8_E4M3", (n, k // 16)),
+                TensorSpec(f"{module}.weight_scale_2", "F32", ()))
+    return (TensorSpec(f"{module}.weight_packed", "U8", (n, k // 2)),
+            TensorSpec(f"{module}.weight_scale", "F8_E4M3", (n, k // 16)),
+            TensorSpec(f"{module}.weight_global_scale", "F32", (1,)))
+
+
+def _plan(src: Checkpoint, fmt: WriteFormat, exclude: Sequence[str]) -> tuple[list[_Group], dict[str, str]]:
+    groups, kept = [], {}
+    for name in sorted(src.tensor_names(), key=natural_key):
+        info = src.info(name)
+        if len(info.shape) == 3 and module_of(name).endswith(".experts") and info.dtype in ("BF16", "F16", "F32"):
+            raise CheckpointError(f"{info.file}: tensor {name!r} {info.describe()} holds fused experts, which the "
+                                  "writer does not quantize yet; it reads per-expert Linear weights "
+                                  "(experts.<e>.gate_proj.weight, up_proj, down_proj)")
+        decision = quantize_decision(name, info.dtype, info.shape, exclude)
+        if decision.quantize:
+            n, k = info.shape
+            groups.append(_Group(info, _quantized_outputs(module_of(name), n, k, fmt), True))
+        else:
+            groups.append(_Group(info, (TensorSpec(info.name, info.dtype, info.shape),), False))
+            if name.endswith(".weight") and len(info.shape) == 2:
+                kept[module_of(name)] = decision.reason
+    return groups, kept
+
+
+def _shard(groups: list[_Group], max_bytes: int) -> list[list[_Group]]:
+    """Greedy: a group never straddles shards; a group above ``max_bytes`` gets a shard of its own."""
+    shards: list[list[_Group]] = [[]]
+    size = 0
+    for g in groups:
+        if shards[-1] and size + g.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += g.nbytes
+    return shards
+
+
+def _quantization_configs(fmt: WriteFormat, exclude: Sequence[str], kept: dict[str, str]) -> tuple[dict, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json or None)."""
+    from .. import __version__
+
+    explicit = sorted(kept, key=natural_key)
+    if fmt == "modelopt":
+        ignore = list(dict.fromkeys([*exclude, *explicit]))
+        producer = {"name": "fp4moe", "version": __version__}
+        return ({"quant_method": "modelopt", "quant_algo": MODELOPT_ALGO, "group_size": 16, "ignore": ignore,
+                 "kv_cache_scheme": None, "producer": producer},
+                {"producer": producer, "quantization": {"quant_algo": MODELOPT_ALGO, "kv_cache_quant_algo": None,
+                                                        "group_size": 16, "exclude_modules": ignore}})
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+               "dynamic": False, "actorder": None, "block_structure": None, "observer": "minmax",
+               "observer_kwargs": {}}
+    return ({"quant_method": "compressed-tensors", "format": CT_FORMAT, "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                           "output_activations": None, "format": CT_FORMAT}},
+             "ignore": explicit, "kv_cache_scheme": None, "global_compression_ratio": None}, None)
+
+
+def _write_group(src: Checkpoint, group: _Group, writer: ShardWriter, fmt: WriteFormat) -> None:
+    tensor = src.tensor(group.source.name)
+    if not group.quantized:
+        writer.write(group.source.name, tensor)
+        return
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        raise CheckpointError(f"{group.source.file}: tensor {group.source.name!r} has {int((~finite).sum())} "
+                              "NaN/Inf value(s); refusing to quantize it")
+    gs = checkpoint_global_scale(tensor.abs().amax().to(torch.float32))
+    q = quantize(tensor, "nvfp4", global_scale=gs)
+    data_spec, scale_spec, global_spec = group.outputs
+    writer.write(data_spec.name, q.data)
+    writer.write(scale_spec.name, q.scales)
+    stored = gs if fmt == "modelopt" else torch.ones_like(gs) / gs  # compressed-tensors: inverted
+    writer.write(global_spec.name, stored.reshape(global_spec.shape))
+
+
+def _check_out_dir(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    if out_dir.resolve() == model_dir.resolve():
+        raise CheckpointError(f"{out_dir}: is the source model folder; write to another folder")
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise CheckpointError(f"{out_dir}: exists and is not a folder")
+        if any(out_dir.iterdir()) and not overwrite:
+            raise CheckpointError(f"{out_dir}: exists and is not empty; pass overwrite=True (--overwrite) to "
+                                  "replace it")
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists() and any(out_dir.iterdir()):
+        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out_dir, old)
+        try:
+            os.replace(tmp, out_dir)
+        except BaseException:
+            os.replace(old, out_dir)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+
+
+def write_checkpoint(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    format: WriteFormat = "modelopt",
+    exclude: Sequence[str] | None = (),
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    max_shard_bytes: int | str = DEFAULT_MAX_SHARD_BYTES,
+    on_group: Callable[[str], None] | None = None,
+) -> WriteReport:
+    """Quantize the bf16 Hugging Face model in ``model_dir`` to an NVFP4 checkpoint in ``out_dir``.
+
+    Args:
+        model_dir: a folder with ``config.json`` and safetensors (one file or sharded + index).
+        out_dir: where the checkpoint goes; it must not exist or be empty unless ``overwrite``.
+        format: "modelopt" (``weight``/``weight_scale``/``weight_scale_2``, ``hf_quant_config.json``)
+            or "compressed-tensors" (``weight_packed``/``weight_scale``/``weight_global_scale``,
+            globals inverted).
+        exclude: module name patterns to keep unquantized (fnmatch wildcards or ``re:<regex>``);
+            each must match at least one module (a typo would silently quantize what it meant to keep).
+        overwrite: replace a non-empty ``out_dir`` (only once the new checkpoint is complete).
+        progress: show a progress bar (rich, on stderr).
+        max_shard_bytes: shard size bound, bytes or a string such as "5GB".
+        on_group: called with each source tensor's name after it is written (tests, logging).
+
+    Returns:
+        A :class:`WriteReport`. Raises :class:`CheckpointError` for bad input; ``out_dir`` is then
+        untouched and no temporary folder is left behind.
+    """
+    if format not in WRITE_FORMATS:
+        raise CheckpointError(f"format: expected one of {', '.join(WRITE_FORMATS)}, got {format!r}")
+    exclude = [] if exclude is None else [exclude] if isinstance(exclude, str) else list(exclude)
+    try:
+        max_bytes = parse_size(max_shard_bytes)
+    except ValueError as err:
+        raise CheckpointError(f"max_shard_bytes: {err}") from None
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_out_dir(model_dir, out_dir, overwrite)
+
+    with Checkpoint(model_dir) as src:
+        if src.format != "bf16":
+            raise CheckpointError(f"{model_dir}: is already a {src.format} checkpoint ({src.quant_algo}); "
+                                  "fp4moe quantize reads an unquantized (bf16/fp16/fp32) model")
+        modules = {module_of(n) for n in src.tensor_names()}
+        for pattern in exclude:
+            if not any(match_exclude([pattern], m) for m in modules):
+                raise CheckpointError(f"exclude pattern {pattern!r} matches no module of {model_dir} "
+                                      "(fnmatch wildcards over module names, e.g. 'model.layers.*.self_attn*')")
+        groups, kept = _plan(src, format, exclude)
+        if not any(g.quantized for g in groups):
+            reasons = sorted(set(kept.values())) or ["no 2-D weights"]
+            raise CheckpointError(f"{model_dir}: no tensor to quantize (2-D Linear projection weights whose K is a "
+                                  f"multiple of 16); kept: {', '.join(reasons)}")
+        shards = _shard(groups, max_bytes)
+        names = ([SINGLE_NAME] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        try:
+            bytes_out = _write_shards(src, shards, names, tmp, format, progress, on_group)
+            _write_configs(src, model_dir, tmp, format, exclude, kept, shards, names)
+            with Checkpoint(tmp) as check:  # headers, index and config agree before anyone sees them
+                if check.format != format:  # pragma: no cover - a writer bug
+                    raise CheckpointError(f"{tmp}: wrote a {check.format} checkpoint, meant {format}")
+            _move_into_place(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return WriteReport(out_dir=out_dir, format=format,
+                       quantized=tuple(module_of(g.source.name) for g in groups if g.quantized), kept=kept,
+                       shards=tuple(names), bytes_in=sum(g.source.nbytes for g in groups), bytes_out=bytes_out)
+
+
+def _write_shards(src: Checkpoint, shards: list[list[_Group]], names: list[str], tmp: Path, fmt: WriteFormat,
+                  progress: bool, on_group: Callable[[str], None] | None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    total = sum(g.source.nbytes for shard in shards for g in shard)
+    columns = (TextColumn("[bold]{task.description:<40}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    written = 0
+    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+        task = bar.add_task(f"quantizing to {fmt}", total=total)
+        for index, (shard, name) in enumerate(zip(shards, names)):
+            specs = [o for g in shard for o in g.outputs]
+            with ShardWriter(tmp / name, specs, {"format": "pt"}) as writer:
+                for group in shard:
+                    label = module_of(group.source.name)
+                    bar.update(task, description=f"{index + 1}/{len(shards)} {label[-34:]}")
+                    _write_group(src, group, writer, fmt)
+                    bar.update(task, advance=group.source.nbytes)
+                    if on_group is not None:
+                        on_group(group.source.name)
+            written += writer.nbytes
+    return written
+
+
+def _write_configs(src: Checkpoint, model_dir: Path, tmp: Path, fmt: WriteFormat, exclude: Sequence[str],
+                   kept: dict[str, str], shards: list[list[_Group]], names: list[str]) -> None:
+    if len(shards) > 1:
+        weight_map = {o.name: name for shard, name in zip(shards, names) for g in shard for o in g.outputs}
+        total = sum(g.nbytes for shard in shards for g in shard)
+        write_json(tmp / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    quant_config, hf_quant = _quantization_configs(fmt, exclude, kept)
+    write_json(tmp / "config.json", {**src.config, "quantization_config": quant_config})
+    if hf_quant is not None:
+        write_json(tmp / HF_QUANT_CONFIG, hf_quant)
+    for path in sorted(model_dir.iterdir()):
+        if (path.is_file() and not path.name.startswith(".") and path.name not in _SKIP_FILES
+                and path.suffix != ".safetensors" and path.suffix not in PICKLE_SUFFIXES):
+            shutil.copy2(path, tmp / path.name)
