@@ -1,4 +1,4 @@
-"""Modules: ``FP4Linear`` (the MoE module joins it in a later issue)."""
+"""Modules: ``FP4Linear`` and ``FP4MoE``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from torch import nn
 
 from .formats import FP4Format, get_format
 from .ops.linear import Mode, fp4_linear
-from .quantize import FP4Tensor, quantize
+from .quantize import FP4Tensor, quantize, quantize_stacked
 
-__all__ = ["FP4Linear"]
+__all__ = ["FP4Linear", "FP4MoE"]
 
 
 class FP4Linear(nn.Module):
@@ -81,3 +81,86 @@ class FP4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
                 f"mode={self.mode}, bias={self.bias is not None}")
+
+
+class FP4MoE(nn.Module):
+    """A Mixture-of-Experts block with FP4 experts: router -> routing -> experts -> combine.
+
+    Experts are stacked FP4Tensors ``w13`` [E, 2I, H] (gate rows then up rows, or interleaved as
+    gpt-oss stores them) and ``w2`` [E, H, I]; the router is a bf16 linear [E, H] (not quantized)
+    with an optional selection bias (DeepSeek-V3 / GLM-5 ``e_score_correction_bias``); the
+    optional shared expert is a pair of FP4Linear layers added unweighted. ``k0`` turns on
+    opportunistic expert activation; ``last_stats`` then holds the OEA statistics of the last call.
+    """
+
+    def __init__(self, router_weight: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, routing, *,
+                 router_bias: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None,
+                 activation: str = "silu", interleaved: bool = False, w13_bias: torch.Tensor | None = None,
+                 w2_bias: torch.Tensor | None = None, shared_gate_up: FP4Linear | None = None,
+                 shared_down: FP4Linear | None = None, mode: Mode = "w4a16", k0: int | None = None):
+        super().__init__()
+        from .ops.moe import check_moe_inputs
+
+        E, two_i, H = w13.shape
+        if router_weight.shape != (E, H):
+            raise ValueError(f"router_weight: expected [{E}, {H}] (experts x hidden, from w13 {tuple(w13.shape)}), "
+                             f"got {tuple(router_weight.shape)}")
+        probe_ids = torch.zeros(1, routing.top_k, dtype=torch.int32, device=w13.device)
+        check_moe_inputs(torch.zeros(1, H, dtype=torch.bfloat16, device=w13.device), w13, w2, probe_ids,
+                         torch.zeros(1, routing.top_k, device=w13.device))
+        if (shared_gate_up is None) != (shared_down is None):
+            raise ValueError("shared_gate_up and shared_down: give both or neither")
+        if k0 is not None and not 1 <= k0 <= routing.top_k:
+            raise ValueError(f"k0: expected 1..{routing.top_k}, got {k0}")
+        self.routing, self.activation, self.interleaved, self.mode, self.k0 = routing, activation, interleaved, mode, k0
+        self.register_buffer("router_weight", router_weight.detach())
+        self.register_buffer("router_bias", None if router_bias is None else router_bias.detach())
+        self.register_buffer("selection_bias", None if selection_bias is None else selection_bias.detach().float())
+        self.w13, self.w2 = w13, w2
+        self.register_buffer("w13_bias", w13_bias)
+        self.register_buffer("w2_bias", w2_bias)
+        self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
+        self.last_stats = None
+
+    def _apply(self, fn, recurse=True):  # keep the FP4Tensors on the module's device
+        super()._apply(fn, recurse)
+        probe = fn(torch.zeros(1, device=self.w13.device))
+        if probe.device != self.w13.device:
+            self.w13, self.w2 = self.w13.to(probe.device), self.w2.to(probe.device)
+        return self
+
+    @classmethod
+    def from_bf16(cls, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing, *,
+                  fmt: str = "nvfp4", shared_gate_up: torch.Tensor | None = None,
+                  shared_down: torch.Tensor | None = None, **kwargs) -> FP4MoE:
+        """Quantize a bf16 MoE block: expert weights [E, 2I, H] and [E, H, I] (one global per expert),
+        optional shared expert weights [2Is, H] and [H, Is]."""
+        q13, q2 = quantize_stacked(w13.detach(), fmt), quantize_stacked(w2.detach(), fmt)
+        sgu = sd = None
+        if shared_gate_up is not None:
+            sgu = FP4Linear.from_fp4(quantize(shared_gate_up.detach(), fmt))
+            sd = FP4Linear.from_fp4(quantize(shared_down.detach(), fmt))
+        return cls(router_weight, q13, q2, routing, shared_gate_up=sgu, shared_down=sd, **kwargs)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_gate_up is None:
+            return None
+        gu = self.shared_gate_up(x)
+        g, u = gu.chunk(2, dim=-1)
+        return self.shared_down(torch.nn.functional.silu(g.float()).mul(u.float()).to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .ops.moe import moe_experts
+        from .ops.routing import route
+
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = torch.nn.functional.linear(x2, self.router_weight.to(x2.dtype),
+                                            None if self.router_bias is None else self.router_bias.to(x2.dtype))
+        r = route(logits, self.routing, self.selection_bias, k0=self.k0)
+        self.last_stats = r.stats
+        y = moe_experts(x2, self.w13, self.w2, r.topk_ids, r.topk_weights, activation=self.activation,
+                        interleaved=self.interleaved, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
+                        shared_out=self.shared(x2), mode=self.mode)
+        return y.reshape(*lead, y.shape[-1])
+

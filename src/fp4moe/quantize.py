@@ -26,7 +26,7 @@ from .formats import (
     unpack_fp4,
 )
 
-__all__ = ["FP4Tensor", "quantize", "dequantize", "nvfp4_global_scale"]
+__all__ = ["FP4Tensor", "quantize", "quantize_stacked", "dequantize", "nvfp4_global_scale"]
 
 _FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -227,3 +227,15 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tenso
         # one value, or one per leading index (per expert [E, 1], per row [E, N]): broadcast over the blocks
         out = out * (g.reshape(*g.shape, 1, 1) if g.numel() != 1 else g.reshape(()))
     return out.reshape(t.shape).to(dtype)
+
+
+def quantize_stacked(w: torch.Tensor, fmt: str | FP4Format = "nvfp4") -> FP4Tensor:
+    """Quantize stacked matrices [E, N, K] (expert weights) each with its own global scale ([E, 1]):
+    element for element what ``quantize(w[e])`` gives for each e."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise ValueError(f"w: expected stacked matrices [E, N, K], got {getattr(w, 'shape', type(w).__name__)}")
+    parts = [quantize(w[e], fmt) for e in range(w.shape[0])]
+    fmt = get_format(fmt)
+    gs = torch.stack([p.global_scale.reshape(1) for p in parts]) if fmt.has_global_scale else None
+    return FP4Tensor(data=torch.stack([p.data for p in parts]), scales=torch.stack([p.scales for p in parts]),
+                     global_scale=gs, shape=torch.Size(w.shape), fmt=fmt)

@@ -152,3 +152,49 @@ def linear(
     if any(r["kind"] == "quantize" for r in rows):
         console.print(_quantize_table([r for r in rows if r["kind"] == "quantize"]))
     console.print(f"wrote {json_path} and {md_path}")
+
+
+@bench_app.command()
+def moe(
+    model: Annotated[str, typer.Option(help="Model preset: glm-5, deepseek-v3, qwen3-30b-a3b, gpt-oss-120b.")] = "glm-5",
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree (splits each expert's intermediate).")] = 1,
+    m: Annotated[Optional[str], typer.Option("--m", help="Token counts, e.g. 1,16,4096.")] = None,
+    mode: Annotated[str, typer.Option(help="w4a16 or w4a4 (NVFP4).")] = "w4a16",
+    routings: Annotated[str, typer.Option(help="uniform, zipf or both.")] = "uniform,zipf",
+    oea_m: Annotated[str, typer.Option("--oea-m", help="Token counts of the OEA on/off rows ('' for none).")] = "8,16,32,64",
+    oea_k0: Annotated[int, typer.Option(min=1, help="Experts each token keeps under OEA.")] = 4,
+    no_torch: Annotated[bool, typer.Option("--no-torch", help="Skip the torch._grouped_mm bf16 baseline.")] = False,
+    out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
+) -> None:
+    """Time one FP4 MoE layer per M and routing against torch._grouped_mm bf16 and the weight-read bound."""
+    from ..models import get_model
+    from .moe import DEFAULT_MS as MOE_MS
+    from .moe import run_moe_bench
+
+    try:
+        get_model(model)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--model") from None
+    if mode not in ("w4a16", "w4a4"):
+        raise typer.BadParameter(f"expected w4a16 or w4a4, got {mode!r}", param_hint="--mode")
+    route_list = tuple(r.strip() for r in routings.split(",") if r.strip())
+    for r in route_list:
+        if r not in ("uniform", "zipf"):
+            raise typer.BadParameter(f"expected uniform or zipf, got {r!r}", param_hint="--routings")
+    ms = parse_ms(m) if m is not None else MOE_MS
+    oea_ms = parse_ms(oea_m) if oea_m.strip() else ()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
+        raise typer.Exit(2)
+    console = Console() if Console().is_terminal else Console(width=160)
+    env = environment()
+    ceilings = bench_ceilings()
+    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s, bf16 {ceilings['bf16_tflops']:,.0f} TFLOP/s")
+    rows = run_moe_bench(model, tp=tp, ms=ms, routings=route_list, mode=mode, oea_ms=oea_ms, oea_k0=oea_k0,
+                         ceilings=ceilings, torch_baseline=not no_torch, console=console)
+    name = f"moe-{model}-tp{tp}-{mode}"
+    json_path, md_path = write_results(name, env, rows, out, ceilings=ceilings)
+    console.print(f"wrote {json_path} and {md_path}")

@@ -196,6 +196,7 @@ def moe_gemm_kernel(
 @triton.jit
 def moe_combine_kernel(
     y_pair_ptr,  # [T * TOP_K, H] per-pair outputs (routing weight applied), row t * TOP_K + slot
+    ids_ptr,  # [T, TOP_K] int32 expert ids; -1 marks a dropped slot (never computed, skipped here)
     shared_ptr,  # [T, H] shared-expert output (HAS_SHARED) or unused
     out_ptr,  # [T, H]
     H, stride_pm, stride_sm, stride_om,
@@ -208,7 +209,9 @@ def moe_combine_kernel(
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for s in tl.static_range(TOP_K):
-        acc += tl.load(y_pair_ptr + (t * TOP_K + s).to(tl.int64) * stride_pm + cols, mask=mask, other=0.0).to(tl.float32)
+        kept = tl.load(ids_ptr + t * TOP_K + s) >= 0
+        acc += tl.load(y_pair_ptr + (t * TOP_K + s).to(tl.int64) * stride_pm + cols, mask=mask & kept,
+                       other=0.0).to(tl.float32)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + t.to(tl.int64) * stride_sm + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -14,6 +14,7 @@ import torch
 
 from .. import guard
 from ..quantize import FP4Tensor, dequantize
+from .dispatch import DispatchPlan, dispatch
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
@@ -62,64 +63,6 @@ def choose_moe_configs(T: int, top_k: int, n_experts: int, H: int, I: int, *, ar
         g1 = MoEGemmConfig(block_n=64, block_m=128, block_k=64, num_warps=8, num_stages=3)
         g2 = MoEGemmConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3)
     return g1, g2
-
-
-# ----------------------------------------------------------------------------------------------
-# dispatch plan (torch, no host synchronisation)
-
-
-@dataclass(frozen=True)
-class DispatchPlan:
-    """Token-expert pairs sorted by expert (stable: by expert, then pair index) and their tiles.
-
-    sorted_pair[r]: pair index t * top_k + slot of sorted row r; sorted_token[r] = that // top_k.
-    tile_expert/tile_start/tile_end [max_tiles]: rows of each tile (one expert per tile); unused
-    tiles have expert -1. max_tiles = ceil(T*k / block_m) + min(E, T*k) bounds the tiles of any
-    routing, so the plan has a fixed size for a fixed T (CUDA-graph capture)."""
-
-    sorted_pair: torch.Tensor
-    sorted_token: torch.Tensor
-    tile_expert: torch.Tensor
-    tile_start: torch.Tensor
-    tile_end: torch.Tensor
-    counts: torch.Tensor  # [E] rows per expert
-    block_m: int
-
-    @property
-    def max_tiles(self) -> int:
-        return self.tile_expert.numel()
-
-
-def max_tiles(pairs: int, n_experts: int, block_m: int) -> int:
-    return -(-pairs // block_m) + min(n_experts, pairs)
-
-
-def plan_dispatch(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> DispatchPlan:
-    """Sort pairs by expert and cut each expert's rows into tiles of ``block_m`` (device ops only)."""
-    T, k = topk_ids.shape
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    pairs = flat.numel()
-    sorted_ids, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)[:n_experts]
-    starts = torch.cumsum(counts, 0) - counts  # first sorted row of each expert
-    tiles_per_expert = (counts + block_m - 1) // block_m
-    tile_base = torch.cumsum(tiles_per_expert, 0) - tiles_per_expert  # first tile of each expert
-    n_max = max_tiles(pairs, n_experts, block_m)
-    tile_idx = torch.arange(n_max, device=dev)
-    expert = torch.searchsorted(tile_base + tiles_per_expert, tile_idx, right=True)  # expert owning the tile
-    valid = expert < n_experts
-    e_safe = expert.clamp(max=n_experts - 1)
-    local = tile_idx - tile_base[e_safe]
-    start = starts[e_safe] + local * block_m
-    end = torch.minimum(start + block_m, starts[e_safe] + counts[e_safe])
-    valid = valid & (local < tiles_per_expert[e_safe])
-    tile_expert = torch.where(valid, e_safe, -1).to(torch.int32)
-    del sorted_ids
-    return DispatchPlan(
-        sorted_pair=order.to(torch.int32), sorted_token=(order // k).to(torch.int32),
-        tile_expert=tile_expert, tile_start=torch.where(valid, start, 0).to(torch.int32),
-        tile_end=torch.where(valid, end, 0).to(torch.int32), counts=counts, block_m=block_m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +138,8 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
     return out
 
 
-def launch_combine(y_pair: torch.Tensor, top_k: int, shared: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def launch_combine(y_pair: torch.Tensor, topk_ids: torch.Tensor, top_k: int, shared: torch.Tensor | None,
+                   out: torch.Tensor) -> torch.Tensor:
     import triton
 
     from ..kernels.moe import moe_combine_kernel
@@ -203,7 +147,7 @@ def launch_combine(y_pair: torch.Tensor, top_k: int, shared: torch.Tensor | None
     T, H = out.shape
     block = 1024 if H >= 1024 else triton.next_power_of_2(H)
     moe_combine_kernel[(T, triton.cdiv(H, block))](
-        y_pair, shared if shared is not None else y_pair, out, H, y_pair.stride(0),
+        y_pair, topk_ids, shared if shared is not None else y_pair, out, H, y_pair.stride(0),
         shared.stride(0) if shared is not None else 0, out.stride(0),
         TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4)
     return out
@@ -297,12 +241,12 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
                                  w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out, mode=mode,
                                  input_global_scale=input_global_scale)
-    plan = plan_dispatch(topk_ids, E, g1.block_m)
-    return _run(x, w13, w2, topk_weights, plan, (g1, g2), k, act, activation, interleaved, w13_bias, w2_bias,
+    plan = dispatch(topk_ids.to(torch.int32), E, g1.block_m)
+    return _run(x, w13, w2, topk_ids, topk_weights, plan, (g1, g2), k, act, activation, interleaved, w13_bias, w2_bias,
                 shared_out, input_global_scale, out)
 
 
-def _run(x, w13, w2, topk_weights, plan, configs, k, act, activation, interleaved, w13_bias, w2_bias, shared_out,
+def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, interleaved, w13_bias, w2_bias, shared_out,
          input_global_scale, out):
     """The launches of one layer: [quantize x] -> GEMM 1 -> [re-quantize h] -> GEMM 2 -> combine."""
     T, H = x.shape
@@ -317,7 +261,7 @@ def _run(x, w13, w2, topk_weights, plan, configs, k, act, activation, interleave
     row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
     launch_moe_gemm(h_in, w2, plan, y_pair, g2, swiglu=0, interleaved=False, gather=False, scatter=True,
                     row_weight=row_w, bias=w2_bias, act=act)
-    return launch_combine(y_pair, k, shared_out, out)
+    return launch_combine(y_pair, topk_ids, k, shared_out, out)
 
 
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs):
@@ -331,8 +275,8 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs):
     w2 = quantize(torch.randn(E, H, I, generator=g), fmt).to(device)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device=device, dtype=torch.int32)
     wts = torch.rand(T, k, generator=g).to(device)
-    plan = plan_dispatch(ids, E, configs[0].block_m)
-    out = _run(x, w13, w2, wts, plan, configs, k, _act_code(mode, w13, device), activation, interleaved, None, None,
+    plan = dispatch(ids, E, configs[0].block_m)
+    out = _run(x, w13, w2, ids, wts, plan, configs, k, _act_code(mode, w13, device), activation, interleaved, None, None,
                None, None, torch.empty((T, H), dtype=dtype, device=device))
     return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved, mode=mode)
 
@@ -380,7 +324,7 @@ def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: 
     T = x.shape[0]
     hs = []
     for s in range(k):
-        ids = topk_ids[:, s].long()
+        ids = topk_ids[:, s].long().clamp(min=0)  # dropped slots (-1) are masked out below
         g = torch.einsum("th,tih->ti", xf, gate_w[ids])
         u = torch.einsum("th,tih->ti", xf, up_w[ids])
         if gate_b is not None:
@@ -393,12 +337,13 @@ def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: 
     h_all = h_all.to(torch.float32).reshape(T, k, I)
     acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for s in range(k):
-        ids = topk_ids[:, s].long()
+        ids = topk_ids[:, s].long().clamp(min=0)
         h = h_all[:, s]
         y = torch.einsum("ti,thi->th", h, W2[ids])
         if w2_bias is not None:
             y = y + w2_bias[ids].float()
-        acc = acc + topk_weights[:, s].to(torch.float32)[:, None] * y
+        y = topk_weights[:, s].to(torch.float32)[:, None] * y
+        acc = acc + torch.where((topk_ids[:, s] >= 0)[:, None], y, torch.zeros_like(y))
     if shared_out is not None:
         acc = acc + shared_out.to(torch.float32)
     return acc.to(x.dtype)

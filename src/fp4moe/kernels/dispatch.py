@@ -1,0 +1,232 @@
+"""MoE dispatch: @triton.jit bodies (launchers and the torch reference in ``fp4moe.ops.dispatch``).
+
+Input: the flattened routing ids ``ids[p]`` for pairs p = t * TOP_K + slot. A pair whose id is
+not in [0, E) (OEA's -1) is *dropped*: it goes to a virtual bucket E after the real experts.
+The order is canonical, no atomics anywhere: a pair's row is
+
+    row(p) = offsets[e] + #{q < p : ids[q] == e}          (e = bucket of p)
+
+i.e. sorted by expert, then token, then slot; every count is an integer sum, so the result is
+deterministic and equals the reference's stable sort.
+
+Two ways to get there:
+  * ``dispatch_fused_kernel``: one program does everything (small T*k, decode): one launch;
+    its expert vectors are next_pow2(E) wide, the dropped pairs counted on the side.
+  * ``dispatch_histogram_kernel`` -> ``dispatch_scan_kernel`` -> ``dispatch_tiles_kernel`` ->
+    ``dispatch_scatter_kernel``: per-block histograms, their exclusive scan along the blocks,
+    offsets and tile map, then each block scatters its pairs (large T*k, prefill); buckets are
+    next_pow2(E + 1) wide, bucket E holding the dropped pairs.
+
+Tile map: expert e with c_e pairs owns ceil(c_e / BLOCK_M) consecutive tiles; tile i covers rows
+[start, end) of one expert. Tiles past the valid count are -1 in all three arrays.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _buckets(ids_ptr, offs, n_pairs, E):
+    """Bucket of each pair (its expert, E when dropped) and the in-range mask."""
+    p_mask = offs < n_pairs
+    e = tl.load(ids_ptr + offs, mask=p_mask, other=0)
+    return tl.where((e >= 0) & (e < E), e, E), p_mask
+
+
+@triton.jit
+def _count(e, p_mask, BLOCK_E: tl.constexpr):
+    """[BLOCK_E] number of in-range pairs in each bucket (one-hot sum; tl.histogram has had
+    GPU-only bugs with replicated layouts, so it is not used)."""
+    cols = tl.arange(0, BLOCK_E)
+    return tl.sum(((e[:, None] == cols[None, :]) & p_mask[:, None]).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _gather(vec, idx):
+    """vec[idx] for a [BLOCK_E] register vector and [N] indices (one-hot reduction)."""
+    cols = tl.arange(0, vec.shape[0])
+    return tl.sum(tl.where(cols[None, :] == idx[:, None], vec[None, :], 0), axis=1)
+
+
+@triton.jit
+def _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ti, max_tiles, counts, offsets, tiles_incl,
+                 n_tiles, E, BLOCK_M: tl.constexpr):
+    """Tile-map entries for tile indices ``ti``. ``counts``, ``offsets`` (exclusive) and
+    ``tiles_incl`` (inclusive prefix sum of the tiles per expert) are [BLOCK_E] vectors."""
+    cols = tl.arange(0, counts.shape[0])
+    # the expert of tile i: the number of experts whose tiles all end at or before i
+    e = tl.sum(((tiles_incl[None, :] <= ti[:, None]) & (cols[None, :] < E)).to(tl.int32), axis=1)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    first = _gather(tiles_incl - tiles, e)
+    base = _gather(offsets, e)
+    start = base + (ti - first) * BLOCK_M
+    end = tl.minimum(start + BLOCK_M, base + _gather(counts, e))
+    ok = ti < n_tiles
+    t_mask = ti < max_tiles
+    tl.store(tile_expert_ptr + ti, tl.where(ok, e, -1), mask=t_mask)
+    tl.store(tile_start_ptr + ti, tl.where(ok, start, -1), mask=t_mask)
+    tl.store(tile_end_ptr + ti, tl.where(ok, end, -1), mask=t_mask)
+
+
+@triton.jit
+def _expert_table(counts, E, BLOCK_M: tl.constexpr):
+    """From bucket counts [BLOCK_E] (experts 0..E-1, then perhaps the dropped bucket E):
+    (exclusive offsets, inclusive tile prefix sum, tile count)."""
+    cols = tl.arange(0, counts.shape[0])
+    offsets = tl.cumsum(counts, axis=0) - counts
+    tiles = tl.where(cols < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    return offsets, tl.cumsum(tiles, axis=0), tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, n_routed, n_tiles, E):
+    cols = tl.arange(0, counts.shape[0])
+    tl.store(counts_ptr + cols, counts, mask=cols < E)
+    tl.store(offsets_ptr + cols, offsets, mask=cols < E)
+    first = cols == 0
+    tl.store(offsets_ptr + E + cols, tl.where(first, n_routed, 0), mask=first)  # offsets[E]: routed pairs
+    tl.store(n_tiles_ptr + cols, tl.where(first, n_tiles, 0), mask=first)
+
+
+@triton.jit
+def _store_rows(sorted_token_ptr, sorted_pair_ptr, pair_row_ptr, offs, e, row, p_mask, E, TOP_K: tl.constexpr):
+    routed = e < E
+    tl.store(sorted_token_ptr + row, tl.where(routed, offs // TOP_K, -1), mask=p_mask)
+    tl.store(sorted_pair_ptr + row, tl.where(routed, offs, -1), mask=p_mask)
+    tl.store(pair_row_ptr + offs, tl.where(routed, row, -1), mask=p_mask)
+
+
+@triton.jit
+def dispatch_fused_kernel(
+    ids_ptr,  # [n_pairs] int32 expert of pair p = t * TOP_K + slot
+    counts_ptr,  # [E] int32 out: pairs per expert
+    offsets_ptr,  # [E + 1] int32 out: exclusive prefix sum of counts; offsets[E] = routed pairs
+    sorted_token_ptr,  # [n_pairs] int32 out: token of row r (-1 for the dropped rows at the end)
+    sorted_pair_ptr,  # [n_pairs] int32 out: pair of row r (-1 for dropped rows)
+    pair_row_ptr,  # [n_pairs] int32 out: row of pair p (-1 when dropped)
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # [max_tiles] int32 out (-1 past n_tiles)
+    n_tiles_ptr,  # [1] int32 out
+    n_pairs, E, max_tiles,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Grid (1,): the whole dispatch plan in one program (BLOCK_E >= E; the dropped pairs are
+    counted apart from the experts' vector).
+
+    Pass 1 counts each expert, BLOCK_P pairs at a time; pass 2 gives each pair its row:
+    offsets[e] + pairs of e in earlier chunks (running ``seen``) + earlier pairs of e in its own
+    chunk (a BLOCK_P x BLOCK_P comparison); pass 3 writes the tile map."""
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, n_pairs, BLOCK_P):
+        e, p_mask = _buckets(ids_ptr, p0 + tl.arange(0, BLOCK_P), n_pairs, E)
+        counts += _count(e, p_mask & (e < E), BLOCK_E)
+    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M)
+    n_routed = tl.sum(counts, axis=0)
+    _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, n_routed, n_tiles, E)
+
+    seen = tl.zeros([BLOCK_E], tl.int32)
+    seen_dropped = n_routed  # the next free row for a dropped pair
+    lane = tl.arange(0, BLOCK_P)
+    for p0 in range(0, n_pairs, BLOCK_P):
+        offs = p0 + lane
+        e, p_mask = _buckets(ids_ptr, offs, n_pairs, E)
+        routed = e < E
+        earlier = (e[:, None] == e[None, :]) & (lane[None, :] < lane[:, None]) & p_mask[None, :]
+        base = tl.where(routed, _gather(offsets + seen, e), seen_dropped)
+        row = base + tl.sum(earlier.to(tl.int32), axis=1)
+        _store_rows(sorted_token_ptr, sorted_pair_ptr, pair_row_ptr, offs, e, row, p_mask, E, TOP_K)
+        seen += _count(e, p_mask & routed, BLOCK_E)
+        seen_dropped += tl.sum((p_mask & (~routed)).to(tl.int32), axis=0)
+
+    for i0 in range(0, max_tiles, BLOCK_P):
+        _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, i0 + lane, max_tiles, counts, offsets,
+                     tiles_incl, n_tiles, E, BLOCK_M)
+
+
+@triton.jit
+def dispatch_histogram_kernel(
+    ids_ptr,  # [n_pairs] int32
+    hist_ptr,  # [n_blocks, BLOCK_E] int32 out: pairs per bucket in each block of BLOCK_P pairs
+    n_pairs, E,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Grid (n_blocks,): one program counts the buckets of pairs [pid*BLOCK_P, (pid+1)*BLOCK_P),
+    BLOCK_Q pairs at a time."""
+    pid = tl.program_id(0)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for q0 in range(0, BLOCK_P, BLOCK_Q):
+        e, p_mask = _buckets(ids_ptr, pid * BLOCK_P + q0 + tl.arange(0, BLOCK_Q), n_pairs, E)
+        counts += _count(e, p_mask, BLOCK_E)
+    tl.store(hist_ptr + pid * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit
+def dispatch_scan_kernel(
+    hist_ptr,  # [n_blocks, BLOCK_E] int32 in: block histograms; out: exclusive scan along blocks
+    bucket_counts_ptr,  # [BLOCK_E] int32 out: pairs per bucket
+    n_blocks,
+    BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Grid (BLOCK_E // BLOCK_C,): one program scans buckets [pid*BLOCK_C, (pid+1)*BLOCK_C) over
+    all blocks, BLOCK_B blocks at a time, so hist[b, e] becomes the pairs of e in blocks < b."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    carry = tl.zeros([BLOCK_C], tl.int32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        ptrs = hist_ptr + blocks[:, None] * BLOCK_E + cols[None, :]
+        b_mask = (blocks < n_blocks)[:, None] & (cols[None, :] >= 0)
+        h = tl.load(ptrs, mask=b_mask, other=0)
+        tl.store(ptrs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=b_mask)
+        carry += tl.sum(h, axis=0)
+    tl.store(bucket_counts_ptr + cols, carry)
+
+
+@triton.jit
+def dispatch_tiles_kernel(
+    bucket_counts_ptr,  # [n_buckets] int32: pairs per expert (then, when n_buckets > E, the dropped bucket)
+    counts_ptr, offsets_ptr, n_tiles_ptr,  # [E], [E + 1], [1] int32 out (program 0, STORE_TABLE)
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # [max_tiles] int32 out
+    n_tiles_out_ptr,  # [1] int32 out: valid tiles
+    n_buckets, E, max_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr, STORE_TABLE: tl.constexpr,
+):
+    """Grid (max(1, cdiv(max_tiles, BLOCK_I)),): every program derives offsets and tile counts
+    from the bucket counts (cheap: one [BLOCK_E] scan); program 0 stores them (STORE_TABLE) and
+    the tile count; each program writes tiles [pid*BLOCK_I, (pid+1)*BLOCK_I)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    counts = tl.load(bucket_counts_ptr + cols, mask=cols < n_buckets, other=0)
+    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M)
+    if pid == 0:
+        if STORE_TABLE:
+            n_routed = tl.sum(tl.where(cols < E, counts, 0), axis=0)
+            _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, n_routed, n_tiles, E)
+        else:
+            tl.store(n_tiles_out_ptr + cols, tl.where(cols == 0, n_tiles, 0), mask=cols == 0)
+    _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, pid * BLOCK_I + tl.arange(0, BLOCK_I), max_tiles,
+                 counts, offsets, tiles_incl, n_tiles, E, BLOCK_M)
+
+
+@triton.jit
+def dispatch_scatter_kernel(
+    ids_ptr,  # [n_pairs] int32
+    hist_ptr,  # [n_blocks, BLOCK_E] int32: pairs of each bucket in earlier blocks (scanned)
+    offsets_ptr,  # [E + 1] int32: exclusive offsets (offsets[E]: first dropped row)
+    sorted_token_ptr, sorted_pair_ptr, pair_row_ptr,  # [n_pairs] int32 out
+    n_pairs, E,
+    TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Grid (n_blocks,): one program places pairs [pid*BLOCK_P, (pid+1)*BLOCK_P): row =
+    offsets[e] + pairs of e in earlier blocks + earlier pairs of e in this block (compared
+    BLOCK_Q at a time)."""
+    pid = tl.program_id(0)
+    p0 = pid * BLOCK_P
+    lane = tl.arange(0, BLOCK_P)
+    offs = p0 + lane
+    e, p_mask = _buckets(ids_ptr, offs, n_pairs, E)
+    row = tl.load(offsets_ptr + e, mask=p_mask, other=0) + tl.load(hist_ptr + pid * BLOCK_E + e, mask=p_mask, other=0)
+    q_lane = tl.arange(0, BLOCK_Q)
+    for q0 in range(0, BLOCK_P, BLOCK_Q):
+        eq, q_mask = _buckets(ids_ptr, p0 + q0 + q_lane, n_pairs, E)
+        earlier = (e[:, None] == eq[None, :]) & ((q0 + q_lane)[None, :] < lane[:, None]) & q_mask[None, :]
+        row += tl.sum(earlier.to(tl.int32), axis=1)
+    _store_rows(sorted_token_ptr, sorted_pair_ptr, pair_row_ptr, offs, e, row, p_mask, E, TOP_K)

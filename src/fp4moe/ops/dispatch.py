@@ -1,0 +1,410 @@
+"""MoE dispatch plan: token-expert pairs sorted by expert, per-expert offsets, tile -> expert map.
+
+Layers: ``kernels.dispatch`` (@triton.jit bodies) -> ``launch_dispatch`` (grids; one launch when
+small, four when large) -> ``fp4moe::dispatch`` (torch.library custom op with a fake) ->
+``dispatch`` (public). ``dispatch_reference`` defines the result; the kernels equal it exactly.
+
+Definitions, for ``topk_ids`` [T, k] and pairs p = t * k + slot:
+
+* a pair is *routed* when its id is in [0, E), *dropped* otherwise (OEA's empty slots are -1);
+* rows: routed pairs sorted stably by expert, then token, then slot (= by expert, then p);
+  ``sorted_token[r]`` is the token row r gathers, ``sorted_pair[r]`` its pair (where the combine
+  scatters it), ``pair_row[p]`` the inverse (-1 for dropped pairs). Rows from
+  ``expert_offsets[E]`` (the routed count) to T*k - 1 belong to dropped pairs: -1 in both;
+* ``expert_counts[e]`` routed pairs of expert e; ``expert_offsets`` [E + 1] their exclusive
+  prefix sum;
+* tiles: expert e owns ceil(counts[e] / block_m) consecutive tiles (none when it has no pairs);
+  tile i covers rows ``[tile_start[i], tile_end[i])`` of ``tile_expert[i]``. The tile
+  arrays have the worst-case length ``max_tiles(T*k, E, block_m)``; ``n_tiles`` [1] (on the
+  device) is the valid count and the entries past it are -1, so a GEMM launched over
+  ``max_tiles`` programs exits early on -1 and nothing waits for the host.
+
+No host synchronisation and no data-dependent shapes: CUDA-graph capturable at fixed T.
+Deterministic: no atomics; every position is an integer count.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DispatchConfig", "DispatchPlan", "TileMap", "dispatch", "dispatch_reference", "launch_dispatch",
+           "launch_tile_map", "max_tiles", "tile_map", "tile_map_reference", "compile_requests"]
+
+MAX_EXPERTS = 4095  # buckets (E + 1 with the dropped one) are one register vector
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def max_tiles(n_pairs: int, n_experts: int, block_m: int) -> int:
+    """Worst-case number of tiles: sum_e ceil(c_e / block_m) <= ceil(n / block_m) + E, and never
+    more than one tile per pair."""
+    return min(n_pairs, -(-n_pairs // block_m) + n_experts)
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """``fused``: one program builds the whole plan (one launch; small T*k). Otherwise blocks of
+    ``block_p`` pairs per program. ``num_warps`` for every launch."""
+
+    block_p: int
+    fused: bool
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if self.block_p < 16 or self.block_p & (self.block_p - 1) or self.block_p > 1024:
+            raise ValueError(f"DispatchConfig.block_p: expected a power of two in 16..1024, got {self.block_p}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DispatchConfig.num_warps: expected 1, 2, 4, 8 or 16, got {self.num_warps}")
+
+    def __str__(self) -> str:
+        return f"{'fused' if self.fused else 'blocks'}_p{self.block_p}_w{self.num_warps}"
+
+    @staticmethod
+    def from_heuristic(n_pairs: int, n_experts: int) -> DispatchConfig:
+        """Decode (<= 512 pairs: T <= 64 at k = 8): one fused launch of one 8-warp program, whose
+        sequential chunks of [block_p, next_pow2(E)] comparisons (8K elements) should cost less
+        than three more dependent launches. Prefill: 128-pair blocks. Not tuned on silicon."""
+        block_e = _next_pow2(n_experts)
+        if n_pairs <= 512 and block_e <= 2048:
+            return DispatchConfig(block_p=max(16, min(64, 8192 // block_e)), fused=True, num_warps=8)
+        return DispatchConfig(block_p=128, fused=False, num_warps=4)
+
+    @staticmethod
+    def candidates(n_pairs: int, n_experts: int) -> list[DispatchConfig]:
+        return [DispatchConfig(bp, fused, w) for fused in (True, False) for bp in (32, 64, 128, 256) for w in (4, 8)]
+
+
+@dataclass
+class TileMap:
+    tile_expert: torch.Tensor  # int32 [max_tiles]: expert of tile i, -1 past n_tiles
+    tile_start: torch.Tensor  # int32 [max_tiles]: first row (in the sorted order)
+    tile_end: torch.Tensor  # int32 [max_tiles]: one past its last row
+    n_tiles: torch.Tensor  # int32 [1]: valid tiles (on the device)
+    block_m: int
+
+
+@dataclass
+class DispatchPlan:
+    expert_counts: torch.Tensor  # int32 [E]
+    expert_offsets: torch.Tensor  # int32 [E + 1]; expert_offsets[E] = routed pairs
+    sorted_token: torch.Tensor  # int32 [T*k]
+    sorted_pair: torch.Tensor  # int32 [T*k]
+    pair_row: torch.Tensor  # int32 [T*k]
+    tiles: TileMap
+    top_k: int
+
+    @property
+    def n_experts(self) -> int:
+        return self.expert_counts.shape[0]
+
+    # the tile map's arrays, as a grouped GEMM reads them (one program per tile, max_tiles programs)
+    @property
+    def tile_expert(self) -> torch.Tensor:
+        return self.tiles.tile_expert
+
+    @property
+    def tile_start(self) -> torch.Tensor:
+        return self.tiles.tile_start
+
+    @property
+    def tile_end(self) -> torch.Tensor:
+        return self.tiles.tile_end
+
+    @property
+    def n_tiles(self) -> torch.Tensor:
+        return self.tiles.n_tiles
+
+    @property
+    def block_m(self) -> int:
+        return self.tiles.block_m
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tiles.tile_expert.shape[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, kernel: bool) -> None:
+    if not isinstance(topk_ids, torch.Tensor):
+        raise TypeError(f"topk_ids: expected a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids: expected a 2-D tensor [T, k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids: expected int32 (routing's output), got {topk_ids.dtype}")
+    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or not 1 <= n_experts <= MAX_EXPERTS:
+        raise ValueError(f"n_experts: expected an int in 1..{MAX_EXPERTS}, got {n_experts!r}")
+    k = topk_ids.shape[1]
+    if not 1 <= k <= n_experts:
+        raise ValueError(f"topk_ids: expected 1..n_experts={n_experts} columns (top-k), got {k}")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
+    if kernel and topk_ids.device.type == "cpu" and not _interpreting():
+        raise ValueError("topk_ids: CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); "
+                         "move them to a CUDA device")
+
+
+def _check_values(topk_ids: torch.Tensor, n_experts: int) -> None:
+    """Ids must be -1 (dropped) or in [0, E): reads the ids back (one host sync)."""
+    bad = (topk_ids < -1) | (topk_ids >= n_experts)
+    if bool(bad.any()):
+        t, s = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"topk_ids: expected ids in [0, n_experts={n_experts}) or -1 (dropped), "
+                         f"got {int(topk_ids[t, s])} at token {t}, slot {s}")
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+
+
+def tile_map_reference(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, n_pairs: int,
+                       block_m: int) -> TileMap:
+    E = expert_counts.shape[0]
+    n = max_tiles(n_pairs, E, block_m)
+    dev = expert_counts.device
+    experts, starts, ends = [], [], []
+    for e, (c, o) in enumerate(zip(expert_counts.tolist(), expert_offsets.tolist())):
+        for s in range(o, o + c, block_m):
+            experts.append(e)
+            starts.append(s)
+            ends.append(min(s + block_m, o + c))
+    pad = [-1] * (n - len(experts))
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    return TileMap(tile_expert=as_t(experts + pad), tile_start=as_t(starts + pad), tile_end=as_t(ends + pad),
+                   n_tiles=as_t([len(experts)]), block_m=block_m)
+
+
+def dispatch_reference(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> DispatchPlan:
+    """The plan, by a stable sort of the pairs on their expert (dropped pairs last)."""
+    _check(topk_ids, n_experts, block_m, kernel=False)
+    _check_values(topk_ids, n_experts)
+    T, k = topk_ids.shape
+    dev = topk_ids.device
+    flat = topk_ids.flatten().long()
+    routed = flat >= 0
+    bucket = torch.where(routed, flat, torch.full_like(flat, n_experts))
+    order = torch.sort(bucket, stable=True).indices  # by expert, then pair index = (token, slot)
+    sorted_routed = routed[order]
+    sorted_pair = torch.where(sorted_routed, order, torch.full_like(order, -1))
+    sorted_token = torch.where(sorted_routed, order // k, torch.full_like(order, -1))
+    pair_row = torch.full_like(flat, -1)
+    pair_row[order[sorted_routed]] = torch.arange(len(order), device=dev)[sorted_routed]
+    counts = torch.bincount(flat[routed], minlength=n_experts)
+    offsets = torch.zeros(n_experts + 1, dtype=torch.long, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0)
+    i32 = lambda v: v.to(torch.int32)  # noqa: E731
+    return DispatchPlan(expert_counts=i32(counts), expert_offsets=i32(offsets), sorted_token=i32(sorted_token),
+                        sorted_pair=i32(sorted_pair), pair_row=i32(pair_row),
+                        tiles=tile_map_reference(counts, offsets, T * k, block_m), top_k=k)
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+
+
+def _block_i(block_e: int) -> int:
+    """Tiles per program of the tile-map kernel: [block_i, block_e] comparisons in registers."""
+    return max(16, min(128, 16384 // block_e))
+
+
+def _block_q(block_p: int, block_e: int) -> int:
+    """Pairs per one-hot [block_q, block_e] count: about 8K elements in registers."""
+    return max(1, min(block_p, 8192 // block_e))
+
+
+def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int, config: DispatchConfig):
+    """Build the plan from contiguous int32 ids [n_pairs] (n_pairs >= 1). Returns the ten
+    tensors in ``DispatchPlan`` field order (tiles flattened: expert, start, end, n_tiles)."""
+    import triton
+
+    from ..kernels.dispatch import (
+        dispatch_fused_kernel,
+        dispatch_histogram_kernel,
+        dispatch_scan_kernel,
+        dispatch_scatter_kernel,
+        dispatch_tiles_kernel,
+    )
+
+    n, E = ids.shape[0], n_experts
+    dev = ids.device
+    n_max = max_tiles(n, E, block_m)
+    i32 = dict(dtype=torch.int32, device=dev)
+    counts, offsets = torch.empty(E, **i32), torch.empty(E + 1, **i32)
+    sorted_token, sorted_pair, pair_row = torch.empty(n, **i32), torch.empty(n, **i32), torch.empty(n, **i32)
+    t_expert, t_start, t_end = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32)
+    n_tiles = torch.empty(1, **i32)
+    w = config.num_warps
+    if config.fused:
+        dispatch_fused_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
+                                    t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
+                                    BLOCK_P=config.block_p, BLOCK_E=max(16, _next_pow2(E)), num_warps=w)
+    else:
+        block_e = max(16, _next_pow2(E + 1))  # bucket E: dropped pairs
+        n_blocks = triton.cdiv(n, config.block_p)
+        hist = torch.empty((n_blocks, block_e), **i32)
+        bucket_counts = torch.empty(block_e, **i32)
+        block_q = _block_q(config.block_p, block_e)
+        dispatch_histogram_kernel[(n_blocks,)](ids, hist, n, E, BLOCK_P=config.block_p, BLOCK_Q=block_q,
+                                               BLOCK_E=block_e, num_warps=w)
+        block_c = min(block_e, 64)
+        dispatch_scan_kernel[(block_e // block_c,)](hist, bucket_counts, n_blocks, BLOCK_E=block_e, BLOCK_B=16,
+                                                    BLOCK_C=block_c, num_warps=w)
+        block_i = _block_i(block_e)
+        dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
+            bucket_counts, counts, offsets, n_tiles, t_expert, t_start, t_end, n_tiles, block_e, E, n_max,
+            BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w)
+        dispatch_scatter_kernel[(n_blocks,)](ids, hist, offsets, sorted_token, sorted_pair, pair_row, n, E,
+                                             TOP_K=top_k, BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p),
+                                             BLOCK_E=block_e, num_warps=w)
+    return counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start, t_end, n_tiles
+
+
+def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int):
+    """Tile map of another ``block_m`` from a plan's expert counts: (expert, start, end, n_tiles)."""
+    import triton
+
+    from ..kernels.dispatch import dispatch_tiles_kernel
+
+    E = expert_counts.shape[0]
+    n_max = max_tiles(n_pairs, E, block_m)
+    i32 = dict(dtype=torch.int32, device=expert_counts.device)
+    t_expert, t_start, t_end = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32)
+    n_tiles = torch.empty(1, **i32)
+    if n_pairs == 0:
+        return t_expert, t_start, t_end, n_tiles.zero_()
+    block_e = max(16, _next_pow2(E))
+    block_i = _block_i(block_e)
+    dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
+        expert_counts, n_tiles, n_tiles, n_tiles, t_expert, t_start, t_end, n_tiles, E, E, n_max,
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=False, num_warps=4)
+    return t_expert, t_start, t_end, n_tiles
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library custom op
+
+
+@torch.library.custom_op("fp4moe::dispatch", mutates_args=())
+def _dispatch_op(topk_ids: torch.Tensor, n_experts: int, block_m: int, block_p: int, fused: bool,
+                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """block_p = 0: heuristic configuration."""
+    T, k = topk_ids.shape
+    n = T * k
+    if n == 0:
+        return _empty_plan(topk_ids, n_experts, block_m, zero=True)
+    cfg = DispatchConfig(block_p, fused, num_warps) if block_p else DispatchConfig.from_heuristic(n, n_experts)
+    return launch_dispatch(topk_ids.contiguous().view(-1), n_experts, k, block_m, cfg)
+
+
+def _empty_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, zero: bool = False):
+    n = topk_ids.numel()
+    n_max = max_tiles(n, n_experts, block_m)
+    i32 = dict(dtype=torch.int32, device=topk_ids.device)
+    make = torch.zeros if zero else torch.empty
+    return (make(n_experts, **i32), make(n_experts + 1, **i32), torch.empty(n, **i32), torch.empty(n, **i32),
+            torch.empty(n, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32),
+            make(1, **i32))
+
+
+@_dispatch_op.register_fake
+def _dispatch_fake(topk_ids, n_experts, block_m, block_p, fused, num_warps):
+    return _empty_plan(topk_ids, n_experts, block_m)
+
+
+@torch.library.custom_op("fp4moe::dispatch_tile_map", mutates_args=())
+def _tile_map_op(expert_counts: torch.Tensor, n_pairs: int,
+                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_tile_map(expert_counts, n_pairs, block_m)
+
+
+@_tile_map_op.register_fake
+def _tile_map_fake(expert_counts, n_pairs, block_m):
+    n_max = max_tiles(n_pairs, expert_counts.shape[0], block_m)
+    return (expert_counts.new_empty(n_max), expert_counts.new_empty(n_max), expert_counts.new_empty(n_max),
+            expert_counts.new_empty(1))
+
+
+# ----------------------------------------------------------------------------------------------
+# public function
+
+
+def dispatch(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, config: DispatchConfig | None = None,
+             check_ids: bool = False) -> DispatchPlan:
+    """The dispatch plan of ``topk_ids`` [T, k] int32 for ``n_experts`` experts and row tiles of
+    ``block_m`` (module docstring). Ids outside [0, n_experts) count as dropped (-1);
+    ``check_ids=True`` instead raises on any id other than -1 outside that range (one host sync).
+    No host synchronisation otherwise."""
+    _check(topk_ids, n_experts, block_m, kernel=True)
+    if check_ids:
+        _check_values(topk_ids, n_experts)
+    pinned = (config.block_p, config.fused, config.num_warps) if config else (0, False, 0)
+    outs = _dispatch_op(topk_ids, n_experts, block_m, *pinned)
+    counts, offsets, st, sp, pr, te, ts, tend, nt = outs
+    return DispatchPlan(expert_counts=counts, expert_offsets=offsets, sorted_token=st, sorted_pair=sp, pair_row=pr,
+                        tiles=TileMap(te, ts, tend, nt, block_m), top_k=topk_ids.shape[1])
+
+
+def tile_map(plan: DispatchPlan, block_m: int) -> TileMap:
+    """The plan's tile map for another row-tile size (e.g. GEMM 2 tiling rows differently from
+    GEMM 1): same rows, same experts; one launch, no host synchronisation."""
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan: expected a DispatchPlan, got {type(plan).__name__}")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
+    te, ts, tend, nt = _tile_map_op(plan.expert_counts, plan.sorted_pair.shape[0], block_m)
+    return TileMap(te, ts, tend, nt, block_m)
+
+
+# ----------------------------------------------------------------------------------------------
+# planner
+
+
+def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, config: DispatchConfig,
+                     cc: int) -> list:
+    """Cross-compilation requests (``fp4moe.plan.crosscompile``) for the launches ``dispatch``
+    makes with ``config``: the fused kernel, or the four block kernels."""
+    from ..plan.crosscompile import CompileRequest
+
+    i32 = "*i32"
+    w = config.num_warps
+    if config.fused:
+        names = ("ids_ptr", "counts_ptr", "offsets_ptr", "sorted_token_ptr", "sorted_pair_ptr", "pair_row_ptr",
+                 "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "n_tiles_ptr")
+        sig = {**{n: i32 for n in names}, "n_pairs": "i32", "E": "i32", "max_tiles": "i32"}
+        return [CompileRequest("fp4moe.kernels.dispatch:dispatch_fused_kernel", sig,
+                               {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p,
+                                "BLOCK_E": max(16, _next_pow2(n_experts))}, cc, w, 1)]
+    block_e = max(16, _next_pow2(n_experts + 1))
+    return [
+        CompileRequest("fp4moe.kernels.dispatch:dispatch_histogram_kernel",
+                       {"ids_ptr": i32, "hist_ptr": i32, "n_pairs": "i32", "E": "i32"},
+                       {"BLOCK_P": config.block_p, "BLOCK_Q": _block_q(config.block_p, block_e), "BLOCK_E": block_e},
+                       cc, w, 1),
+        CompileRequest("fp4moe.kernels.dispatch:dispatch_scan_kernel",
+                       {"hist_ptr": i32, "bucket_counts_ptr": i32, "n_blocks": "i32"},
+                       {"BLOCK_E": block_e, "BLOCK_B": 16, "BLOCK_C": min(block_e, 64)}, cc, w, 1),
+        CompileRequest("fp4moe.kernels.dispatch:dispatch_tiles_kernel",
+                       {**{n: i32 for n in ("bucket_counts_ptr", "counts_ptr", "offsets_ptr", "n_tiles_ptr",
+                                            "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr",
+                                            "n_tiles_out_ptr")},
+                        "n_buckets": "i32", "E": "i32", "max_tiles": "i32"},
+                       {"BLOCK_M": block_m, "BLOCK_I": _block_i(block_e), "BLOCK_E": block_e, "STORE_TABLE": True},
+                       cc, w, 1),
+        CompileRequest("fp4moe.kernels.dispatch:dispatch_scatter_kernel",
+                       {**{n: i32 for n in ("ids_ptr", "hist_ptr", "offsets_ptr", "sorted_token_ptr",
+                                            "sorted_pair_ptr", "pair_row_ptr")}, "n_pairs": "i32", "E": "i32"},
+                       {"TOP_K": top_k, "BLOCK_P": config.block_p, "BLOCK_Q": min(32, config.block_p),
+                        "BLOCK_E": block_e}, cc, w, 1),
+    ]
