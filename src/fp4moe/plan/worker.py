@@ -1,4 +1,6 @@
-"""Subprocess entry point of ``crosscompile``: reads requests as JSON on stdin, prints results."""
+"""Subprocess entry point of ``crosscompile``: reads requests as JSON on stdin and prints one JSON
+line per request as soon as it is compiled (``{"index": i, ...}``), so that a compiler abort on
+one request (Triton aborts on some illegal programs) loses nothing that came before it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 
@@ -38,6 +41,17 @@ def _ptxas(ptx: str, cc: int) -> tuple[int | None, int | None, str]:
     return (int(regs.group(1)) if regs else None, max(spills) if spills else None, log.strip())
 
 
+# `ttg.local_alloc ... -> !ttg.memdesc<2x128x64xi8, #shared, ...>`: the explicit shared-memory
+# buffers (pipelined operand tiles, MMA operand staging, barriers). Layout-conversion scratch is
+# not an op of its own and does not appear here.
+_LOCAL_ALLOC = re.compile(r"ttg\.local_alloc\b[^\n]*?->\s*!ttg\.memdesc<([0-9x]+[a-zA-Z0-9]+)")
+
+
+def smem_buffers(ttgir: str) -> list[str]:
+    """Types of the explicit shared-memory buffers of a TTGIR module, e.g. ``["2x128x64xi8"]``."""
+    return _LOCAL_ALLOC.findall(ttgir)
+
+
 def _compile_one(req: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -45,6 +59,7 @@ def _compile_one(req: dict) -> dict:
 
     from fp4moe.plan.crosscompile import mma_instructions
 
+    start = time.perf_counter()
     module, name = req["kernel"].split(":")
     fn = getattr(importlib.import_module(module), name)
     constexprs = {k: _dtype(v) for k, v in req["constexprs"].items()}
@@ -58,20 +73,21 @@ def _compile_one(req: dict) -> dict:
     ptx = compiled.asm["ptx"]
     regs, spills, log = _ptxas(ptx, req["cc"])
     return {"cc": req["cc"], "ok": True, "error": None, "shared": compiled.metadata.shared, "registers": regs,
-            "spill_bytes": spills, "mma": list(mma_instructions(ptx)), "ptxas_log": log[-2000:]}
+            "spill_bytes": spills, "mma": list(mma_instructions(ptx)), "ptxas_log": log[-2000:],
+            "smem_buffers": smem_buffers(compiled.asm.get("ttgir", "")),
+            "compile_s": round(time.perf_counter() - start, 3)}
 
 
 def main() -> None:
     requests = json.loads(sys.stdin.read())
-    results = []
-    for req in requests:
+    for index, req in enumerate(requests):
         try:
-            results.append(_compile_one(req))
+            result = _compile_one(req)
         except Exception as err:  # report per request; the caller decides
-            results.append({"cc": req["cc"], "ok": False, "error": f"{type(err).__name__}: {err}\n"
-                            + traceback.format_exc()[-3000:], "shared": None, "registers": None,
-                            "spill_bytes": None, "mma": [], "ptxas_log": ""})
-    print(json.dumps(results))
+            result = {"cc": req["cc"], "ok": False, "error": f"{type(err).__name__}: {err}\n"
+                      + traceback.format_exc()[-3000:], "shared": None, "registers": None,
+                      "spill_bytes": None, "mma": [], "ptxas_log": ""}
+        print(json.dumps({"index": index, **result}), flush=True)
 
 
 if __name__ == "__main__":
