@@ -48,9 +48,12 @@ def _ids(case: Case, g: torch.Generator) -> torch.Tensor:
 
 def _problem(case: Case, fmt: str, device, bias=False):
     g = torch.Generator().manual_seed(case.T * 131 + case.E * 7 + case.H)
+    # weights are drawn and quantized where the test runs: at GLM-5 size (6.4 G elements) the CPU
+    # would spend minutes on them
+    gw = torch.Generator(device=device).manual_seed(case.E * 7 + case.H)
     x = torch.randn(case.T, case.H, generator=g).to(device=device, dtype=torch.bfloat16)
-    w13 = fp4moe.quantize(torch.randn(case.E, 2 * case.I, case.H, generator=g), fmt).to(device)
-    w2 = fp4moe.quantize(torch.randn(case.E, case.H, case.I, generator=g), fmt).to(device)
+    w13 = fp4moe.quantize_stacked(torch.randn(case.E, 2 * case.I, case.H, generator=gw, device=device), fmt)
+    w2 = fp4moe.quantize_stacked(torch.randn(case.E, case.H, case.I, generator=gw, device=device), fmt)
     ids = _ids(case, g).to(device)
     wts = torch.rand(case.T, case.k, generator=g).to(device)
     b13 = torch.randn(case.E, 2 * case.I, generator=g).to(device=device, dtype=torch.bfloat16) if bias else None
