@@ -354,7 +354,8 @@ def compile_request(config: LinearConfig, path: Path, fmt: str | FP4Format, cc: 
     act = _ACT_CODE[path]
     signature = {
         "x_ptr": f"*{xt}" if act == 0 else "*u8", "xs_ptr": "*u8", "xg_ptr": "*fp32", "w_ptr": "*u8",
-        "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": f"*{xt}", "y_ptr": f"*{xt}",
+        "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": f"*{xt}",
+        "y_ptr": "*fp32" if config.split_k > 1 else f"*{xt}",  # split K writes fp32 partial sums
         "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xsm": "i32", "stride_wn": "i32",
         "stride_wsn": "i32", "stride_ym": "i32", "k_per_split": "i32",
     }
