@@ -52,3 +52,28 @@ def test_demo_reports_round_trip_error():
     assert 0 < out["nvfp4"]["relative_rms_error"] < 0.2
     assert out["nvfp4"]["bits_per_element"] == 4.5  # 4 bits + one 8-bit scale per 16
     assert out["mxfp4"]["bits_per_element"] == 4.25
+
+
+def test_plan_glm5_on_rtx_pro_6000_fits_and_uses_fp4_mma(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4MOE_CACHE_DIR", str(tmp_path))
+    result = runner.invoke(app, ["plan", "--gpu", "rtx pro 6000", "--model", "glm-5", "--tp", "8", "--tokens", "16",
+                                 "--mode", "w4a4", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["target"] == "sm120" and report["gpu"] == "RTX PRO 6000 Blackwell"
+    gemms = [r for r in report["rows"] if r["kernel"] == "fp4_linear"]
+    assert {r["op"] for r in gemms} >= {"experts.w13 (gate+up)", "experts.w2 (down)", "shared.w13", "dense.w2"}
+    for r in report["rows"]:
+        assert r["config"] is not None, r
+        assert r["proven"] and r["shared_compiled"] <= 101376, r
+    for r in gemms:
+        assert "kind::mxf4nvf4" in r["mma"], r  # native FP4 MMA, never a silent fallback
+
+
+def test_plan_bad_input():
+    both = runner.invoke(app, ["plan", "--gpu", "h200", "--model", "glm-5", "--config", "x.json"])
+    assert both.exit_code != 0 and "exactly one of --model and --config" in both.output
+    gpu = runner.invoke(app, ["plan", "--gpu", "voodoo 5", "--model", "glm-5"])
+    assert gpu.exit_code != 0 and "voodoo" in gpu.output and "RTX PRO 6000" in gpu.output
+    tp = runner.invoke(app, ["plan", "--arch", "sm90", "--model", "glm-5", "--tp", "7"])
+    assert tp.exit_code != 0 and "not divisible by 7" in tp.output

@@ -24,9 +24,11 @@ console = Console()
 def _mount_subcommands() -> None:
     from .bench.cli import bench_app
     from .checkpoints.cli import quantize_command
+    from .plan.cli import plan_command
 
     app.add_typer(bench_app, name="bench")
     app.command("quantize")(quantize_command)
+    app.command("plan")(plan_command)
 
 
 _mount_subcommands()

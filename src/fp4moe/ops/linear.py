@@ -72,7 +72,50 @@ def choose_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None, sm_c
     Decode (M <= 64) is bound by reading W: small ``block_n`` so that N / block_n gives every
     SM two or more programs, and a long ``block_k`` so each program streams wide rows.
     Prefill is bound by the tensor cores: 128x128 tiles, software-pipelined.
+    On a known architecture the choice is then stepped down until the shared-memory model of
+    ``fp4moe.plan.smem`` fits ``arch.smem_per_block_optin`` (``fit_shared_memory``).
     """
+    cfg = _heuristic_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
+    return fit_shared_memory(cfg, path, arch) if arch is not None else cfg
+
+
+def config_smem_bytes(config: LinearConfig, path: Path, arch: Arch) -> int:
+    """Modelled shared memory of ``config`` on ``arch`` (``fp4moe.plan.smem``): the most of any
+    weight format (NVFP4, MXFP4: their scale tiles differ) and activation dtype (bf16, fp16)."""
+    from ..plan.smem import linear_smem
+
+    return max(linear_smem(config.block_n, config.block_m, config.block_k, config.num_warps, config.num_stages,
+                           config.split_k, path=path, arch=arch, group=group, x_dtype=x_dtype).total
+               for group in (16, 32) for x_dtype in ("bf16", "fp16"))
+
+
+def fit_shared_memory(config: LinearConfig, path: Path, arch: Arch) -> LinearConfig:
+    """``config``, or the nearest smaller one whose modelled shared memory fits ``arch``'s per-block
+    limit: fewer pipeline stages first (down to 2), then a shorter K tile, then fewer tokens per
+    tile, then fewer weight rows, then no pipeline."""
+    from dataclasses import replace
+
+    limit = arch.smem_per_block_optin
+    cfg = config
+    while config_smem_bytes(cfg, path, arch) > limit:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_k > 64:
+            cfg = replace(cfg, block_k=cfg.block_k // 2)
+        elif cfg.block_m > 16:
+            cfg = replace(cfg, block_m=cfg.block_m // 2)
+        elif cfg.block_n > 64:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.num_stages > 1:
+            cfg = replace(cfg, num_stages=1)
+        else:
+            raise ValueError(f"fit_shared_memory: no configuration below {config} fits {limit:,} B of shared "
+                             f"memory on {arch.name} (path {path})")
+    return cfg
+
+
+def _heuristic_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None,
+                      sm_count: int | None = None) -> LinearConfig:
     sms = sm_count or 132
     if path == "w4a4_native" and arch is not None and arch.fp4_mma == "tcgen05":
         # tcgen05 MMAs are 64 or 128 rows tall (the weight side here). Not tuned on silicon.
@@ -110,13 +153,21 @@ def device_arch(device: torch.device) -> Arch | None:
     return arch_for_capability(torch.cuda.get_device_capability(device))
 
 
-def choose_path(mode: Mode, arch: Arch | None) -> Path:
-    """W4A16 everywhere; W4A4 on native FP4 MMA where the architecture has it, else emulated."""
+def target_path(mode: Mode, arch: Arch | None) -> Path:
+    """The path compiled code takes on ``arch``: W4A16 everywhere; W4A4 on native FP4 MMA where
+    the architecture has it, else emulated. (``fp4moe.plan`` plans with this for any target.)"""
     if mode == "w4a16":
         return "w4a16"
-    if arch is not None and arch.fp4_mma != "none" and not _interpreting():
+    if arch is not None and arch.fp4_mma != "none":
         return "w4a4_native"
     return "w4a4_emulated"
+
+
+def choose_path(mode: Mode, arch: Arch | None) -> Path:
+    """``target_path``, except that the interpreter (no native FP4 MMA) runs W4A4 emulated."""
+    if mode == "w4a4" and _interpreting():
+        return "w4a4_emulated"
+    return target_path(mode, arch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,7 +392,8 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
     return _linear_op(x, w.data, w.scales, w.global_scale, w.shape[1], w.fmt.name, mode, bias, input_global_scale)
 
 
-__all__ = ["LinearConfig", "choose_config", "choose_path", "fp4_linear", "fp4_linear_reference", "launch_linear"]
+__all__ = ["LinearConfig", "choose_config", "choose_path", "config_smem_bytes", "fit_shared_memory", "fp4_linear",
+           "fp4_linear_reference", "launch_linear", "target_path"]
 
 
 def compile_request(config: LinearConfig, path: Path, fmt: str | FP4Format, cc: int,

@@ -1,0 +1,149 @@
+"""``fp4moe plan``: prove each FP4 GEMM of a model fits the target GPU, on a machine without one.
+
+For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops``: the experts'
+gate+up and down, the shared expert, the dense MLP), the planner picks a configuration, proves
+it by cross-compiling for the target, and reports shared memory used / allowed with its
+breakdown, registers, MMA instruction, modelled time and fraction of the roofline.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["plan_command", "plan_model"]
+
+
+def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(1, 16, 64, 4096),
+               mode: str = "w4a16", compile: bool = True, jobs: int | None = None):
+    """[(tokens, LinearOp, PlanResult)] for every FP4 GEMM of one layer of ``model`` per token bucket."""
+    from ..models import fp4_linear_ops
+    from .planner import plan_many
+    from .space import LinearProblem, QuantizeProblem
+
+    fmt = model.fmt if mode == "w4a16" else "nvfp4"
+    entries, items = [], []
+    for t in tokens:
+        for op in fp4_linear_ops(model, t, tp=tp, ep=ep):
+            entries.append((t, op.name, op))
+            items.append(("fp4_linear", LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
+        if mode == "w4a4":  # the activation quantizer runs once per token before the experts
+            entries.append((t, "quantize x (NVFP4)", None))
+            items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))
+    results = plan_many(items, arch, gpu, compile=compile, jobs=jobs)
+    return [(t, name, op, r) for (t, name, op), r in zip(entries, results)]
+
+
+def short_mma(forms: str | None) -> str:
+    """'mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale...' -> 'mma.sync m16n8k64 FP4 block-scaled'."""
+    if not forms:
+        return "—"
+    out = []
+    for form in forms.split(", "):
+        parts = form.split(".")
+        shape = next((p for p in parts if p.startswith("m") and "n" in p and "k" in p[1:]), "")
+        op = "tcgen05.mma" if form.startswith("tcgen05") else ("wgmma" if form.startswith("wgmma") else "mma.sync")
+        kind = "FP4 block-scaled" if "mxf4" in form or "mxf8f6f4" in form else ("bf16" if "bf16" in form else "fp16")
+        out.append(" ".join(x for x in (op, shape, kind) if x))
+    return "; ".join(out)
+
+
+def _row(t, name, op, r) -> dict:
+    v = r.chosen
+    out = {"tokens": t, "op": name, "kernel": r.kernel, "variant": r.variant, "problem": str(r.problem),
+           "count_per_layer": op.count if op is not None else 1}
+    if v is None:
+        out.update(config=None, error="no legal configuration")
+        return out
+    out.update(config=str(v.config), shared_compiled=v.shared_compiled, shared_model=v.shared_model,
+               shared_limit=v.smem_limit, breakdown=v.smem.describe(), registers=v.registers, spill_bytes=v.spills,
+               mma=", ".join(v.mma) or None, modelled_us=v.time.us, fraction_of_peak=v.time.fraction,
+               limiter=v.time.limiter, proven=v.stage == "compile")
+    return out
+
+
+def plan_command(
+    model: Annotated[Optional[str], typer.Option(help="Model preset: glm-5, deepseek-v3, qwen3-30b-a3b, gpt-oss-120b.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="A Hugging Face config.json (or its folder) instead of a preset.")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="Target GPU from the catalogue, e.g. 'rtx pro 6000', 'h200', 'b200'.")] = None,
+    arch: Annotated[Optional[str], typer.Option(help="Target architecture instead of a GPU, e.g. sm120, sm90.")] = None,
+    tp: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree.")] = 1,
+    ep: Annotated[int, typer.Option(min=1, help="Expert-parallel degree.")] = 1,
+    tokens: Annotated[str, typer.Option(help="Token buckets, e.g. 1,16,64,4096.")] = "1,16,64,4096",
+    mode: Annotated[str, typer.Option(help="w4a16 or w4a4.")] = "w4a16",
+    explain: Annotated[bool, typer.Option(help="List rejected configurations with the reason.")] = False,
+    no_compile: Annotated[bool, typer.Option("--no-compile", help="Judge by the analytical model only.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
+) -> None:
+    """Plan every FP4 GEMM of a model for a target GPU: proven by cross-compilation, no GPU needed."""
+    from .. import models
+    from ..arch import resolve_target
+
+    if (model is None) == (config is None):
+        raise typer.BadParameter("give exactly one of --model and --config", param_hint="--model/--config")
+    try:
+        spec = models.get_model(model) if model is not None else models.from_hf_config(config)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--model" if model else "--config") from None
+    try:
+        target, product = resolve_target(gpu=gpu, arch=arch)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--gpu/--arch") from None
+    try:
+        buckets = tuple(int(t) for t in tokens.split(","))
+        if any(t < 1 for t in buckets):
+            raise ValueError
+    except ValueError:
+        raise typer.BadParameter(f"expected positive integers separated by commas, got {tokens!r}",
+                                 param_hint="--tokens") from None
+    if mode not in ("w4a16", "w4a4"):
+        raise typer.BadParameter(f"expected w4a16 or w4a4, got {mode!r}", param_hint="--mode")
+    console = Console(stderr=as_json)
+    if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
+        console = Console(stderr=as_json, width=170)
+    start = time.perf_counter()
+    with console.status(f"planning {spec.name} on {product.name if product else target.name} "
+                        "(cross-compiling for the target)"):
+        try:
+            planned = plan_model(spec, arch=target, gpu=product, tp=tp, ep=ep, tokens=buckets, mode=mode,
+                                 compile=not no_compile)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+    seconds = time.perf_counter() - start
+    rows = [_row(*p) for p in planned]
+    if as_json:
+        payload = {"model": spec.name, "target": target.name, "gpu": product.name if product else None, "tp": tp,
+                   "ep": ep, "mode": mode, "seconds": seconds, "rows": rows}
+        if explain:
+            payload["plans"] = [r.as_dict(rejected=True) for *_, r in planned]
+        typer.echo(json.dumps(payload, indent=2, default=str))
+        return
+    limit = target.smem_per_block_optin
+    table = Table(title=f"{spec.name} on {product.name if product else target.name} ({target.name}, "
+                        f"{limit:,} B shared memory per block), tp={tp} ep={ep}, {mode}")
+    for col in ("tokens", "op", "N×K (M)", "configuration", "shared memory", "regs", "MMA", "µs (model)", "of peak"):
+        table.add_column(col, overflow="fold")
+    for (t, name, op, r), row in zip(planned, rows):
+        shape = f"{op.N}×{op.K} (M={op.M})" if op is not None else f"{spec.hidden} (M={t})"
+        if row.get("error"):
+            table.add_row(str(t), name, shape, f"[red]{row['error']}[/red]", "", "", "", "", "")
+            continue
+        shared = row["shared_compiled"] if row["shared_compiled"] is not None else row["shared_model"]
+        proof = "" if row["proven"] else " (model)"
+        mma = short_mma(row["mma"])
+        table.add_row(str(t), name, shape, row["config"], f"{shared:,} / {limit:,} B{proof}", str(row["registers"] or "—"),
+                      mma, f"{row['modelled_us']:.1f}", f"{row['fraction_of_peak']:.0%}")
+    console.print(table)
+    if explain:
+        for *_, r in planned:
+            console.print(r.explain(rejected=True), highlight=False, markup=False)
+    else:
+        console.print("breakdown of the first row: " + (rows[0].get("breakdown") or "—"), highlight=False,
+                      markup=False)
+    console.print(f"planned {len(rows)} GEMMs in {seconds:.1f} s", highlight=False)

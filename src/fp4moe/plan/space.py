@@ -1,0 +1,557 @@
+"""The kernel registry: for every kernel family, what can be tuned and what it costs.
+
+A ``KernelSpec`` ties together, for one family of kernels:
+
+* the problem it solves (a frozen dataclass, e.g. ``LinearProblem``) and its configuration type
+  (e.g. ``ops.linear.LinearConfig``);
+* ``candidates(problem, arch)``: the configurations worth considering;
+* ``heuristic(problem, arch, sm_count)``: what the runtime picks without tuning;
+* ``smem_model(config, problem, arch)``: shared memory, term by term (``plan.smem``);
+* ``compile_request(config, problem, arch)``: how to cross-compile it (``plan.crosscompile``);
+* ``expected_mma(problem, arch)``: the MMA instruction the PTX must contain;
+* ``model_time(config, problem, gpu)``: a roofline estimate (bytes over bandwidth against
+  FLOPs over peak, with waves over the SM count and the split-K reduction).
+
+Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native) and ``nvfp4_quantize``.
+Later kernels add a spec with ``register``. Nothing here imports Triton or torch at import time.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Generic, Literal, TypeVar
+
+from ..arch import GPUS, GPU, Arch
+from ..formats import get_format
+from .crosscompile import CompileRequest
+from .smem import SmemBreakdown, linear_family, linear_smem, quantize_smem
+
+__all__ = [
+    "KERNELS",
+    "KernelSpec",
+    "LinearProblem",
+    "LinearSpec",
+    "MmaExpectation",
+    "QuantizeProblem",
+    "QuantizeSpec",
+    "TimeEstimate",
+    "default_gpu",
+    "get_kernel",
+    "register",
+]
+
+Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
+_PATHS = ("w4a16", "w4a4_emulated", "w4a4_native")
+_X_DTYPES = ("bf16", "fp16")
+
+#: L2-to-SM bandwidth as a multiple of DRAM bandwidth (approximate: ~3x on recent NVIDIA parts,
+#: e.g. H100 ~10-12 TB/s of L2 reads against 3.35 TB/s of HBM). Operand tiles that several
+#: programs read (W by every M tile, x by every N tile) come from L2 at this rate.
+L2_BANDWIDTH_FACTOR = 3.0
+
+#: Time a second kernel adds besides its own traffic (launch gap and ramp-up inside a CUDA graph):
+#: the split-K reduction pays it. Typical measured gaps between graph-launched kernels are 1-3 us.
+SECOND_KERNEL_US = 2.0
+
+
+def default_gpu(arch: Arch) -> GPU:
+    """The catalogue product that stands for ``arch`` when no GPU is named: the first listed."""
+    for gpu in GPUS.values():
+        if gpu.arch == arch:
+            return gpu
+    raise ValueError(f"default_gpu: no catalogued GPU has architecture {arch.name}; name one with gpu=")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+# ------------------------------------------------------------------------------------------
+# what every spec returns
+
+
+@dataclass(frozen=True)
+class MmaExpectation:
+    """The tensor-core instruction a kernel's PTX must use on a target.
+
+    ``alternatives``: an instruction satisfies the expectation when it contains every fragment of
+    one alternative (e.g. ``("mma.sync.aligned.m16n8k64", "kind::mxf4nvf4", "block_scale")``).
+    """
+
+    description: str
+    alternatives: tuple[tuple[str, ...], ...]
+
+    def satisfied_by(self, mma: Sequence[str]) -> bool:
+        return any(all(f in instr for f in alt) for instr in mma for alt in self.alternatives)
+
+    def violation(self, mma: Sequence[str]) -> str | None:
+        """Why ``mma`` (the PTX's MMA instructions) does not meet the expectation; None if it does."""
+        if self.satisfied_by(mma):
+            return None
+        found = ", ".join(mma) if mma else "no MMA instruction at all"
+        return f"expected {self.description}; the PTX has {found}"
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """A roofline estimate of one configuration on one GPU (microseconds).
+
+    ``bound_us`` is the problem's own roofline (least bytes at full bandwidth against unpadded
+    FLOPs at peak); ``us`` adds what the configuration costs: padded tiles, waves, SMs left idle,
+    the split-K partial sums and their reduction. ``fraction = bound_us / us``.
+    """
+
+    us: float
+    bound_us: float
+    limiter: Literal["memory", "compute"]
+    programs: int
+    waves: int
+    ctas_per_sm: int
+    bytes: int
+    flops: int
+    peak_tflops: float
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fraction(self) -> float:
+        return self.bound_us / self.us if self.us > 0 else 0.0
+
+
+P = TypeVar("P")
+C = TypeVar("C")
+
+
+class KernelSpec(ABC, Generic[P, C]):
+    """What the planner needs to know about one family of kernels (see the module docstring)."""
+
+    name: str
+    problem_type: type
+    config_type: type
+
+    @abstractmethod
+    def candidates(self, problem: P, arch: Arch) -> list[C]: ...
+
+    @abstractmethod
+    def heuristic(self, problem: P, arch: Arch, sm_count: int | None = None) -> C: ...
+
+    @abstractmethod
+    def smem_model(self, config: C, problem: P, arch: Arch) -> SmemBreakdown: ...
+
+    @abstractmethod
+    def compile_request(self, config: C, problem: P, arch: Arch) -> CompileRequest: ...
+
+    @abstractmethod
+    def expected_mma(self, problem: P, arch: Arch) -> MmaExpectation | None: ...
+
+    @abstractmethod
+    def model_time(self, config: C, problem: P, gpu: GPU, *, registers: int | None = None) -> TimeEstimate: ...
+
+    def variant(self, problem: P, arch: Arch) -> str:
+        """The code path the problem takes on ``arch`` (for reports)."""
+        return self.name
+
+    def check_problem(self, problem: Any) -> P:
+        if not isinstance(problem, self.problem_type):
+            raise TypeError(f"{self.name}: expected a {self.problem_type.__name__}, got {type(problem).__name__}")
+        return problem
+
+    def check_config(self, config: Any) -> C:
+        if not isinstance(config, self.config_type):
+            raise TypeError(f"{self.name}: expected a {self.config_type.__name__}, got {type(config).__name__}")
+        return config
+
+
+def _occupancy(arch: Arch, smem_bytes: int, threads: int, registers: int | None) -> int:
+    """CTAs resident per SM: shared memory (1 KiB reserved per CTA, CUDA guide), threads, registers."""
+    limits = [arch.smem_per_sm // (smem_bytes + 1024), arch.max_threads_per_sm // threads, 32]
+    if registers:
+        limits.append(arch.regs_per_sm // (registers * threads))
+    return max(1, min(limits))
+
+
+def _roofline(gpu: GPU, *, nbytes: float, flops: float, peak_tflops: float, programs: int, ctas_per_sm: int,
+              l2_bytes: float = 0.0, extra_us: float = 0.0) -> tuple[float, Literal["memory", "compute"], int]:
+    """Time of one kernel: waves of programs over the SMs, bandwidth shared by the active SMs.
+
+    Compute: programs are spread evenly over the SMs and the CTAs resident on one SM share its
+    tensor cores, so the busiest SM runs ``ceil(programs / sm_count)`` programs at ``peak /
+    sm_count``: quantisation over the SM count (``waves``, programs over resident slots, is
+    reported). Memory: ``nbytes`` from DRAM and ``l2_bytes`` (every program's operand tiles)
+    from L2 at ``L2_BANDWIDTH_FACTOR`` times the DRAM bandwidth; with fewer programs than SMs
+    only that fraction of the SMs issue loads (one SM cannot draw the chip's bandwidth).
+    """
+    slots = gpu.sm_count * ctas_per_sm
+    waves = _cdiv(programs, slots)
+    per_sm = _cdiv(programs, gpu.sm_count)
+    compute_us = per_sm * (flops / programs) / (peak_tflops * 1e6 / gpu.sm_count)
+    busy = min(1.0, programs / gpu.sm_count)
+    bandwidth = gpu.mem_bandwidth_gbs * 1e3 * busy  # bytes per microsecond
+    memory_us = max(nbytes / bandwidth, l2_bytes / (L2_BANDWIDTH_FACTOR * bandwidth))
+    limiter: Literal["memory", "compute"] = "memory" if memory_us >= compute_us else "compute"
+    return max(memory_us, compute_us) + extra_us, limiter, waves
+
+
+# ------------------------------------------------------------------------------------------
+# fp4_linear
+
+
+@dataclass(frozen=True)
+class LinearProblem:
+    """``y[M, N] = x[M, K] @ W[N, K]^T`` with W in an FP4 format.
+
+    mode "w4a16": x bf16/fp16; "w4a4": x quantized to NVFP4 (NVFP4 weights only). ``path`` pins
+    the kernel path; None takes the architecture's (``ops.linear.target_path``).
+    """
+
+    M: int
+    N: int
+    K: int
+    fmt: str = "nvfp4"
+    mode: Literal["w4a16", "w4a4"] = "w4a16"
+    x_dtype: Literal["bf16", "fp16"] = "bf16"
+    has_bias: bool = False
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("M", "N", "K"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LinearProblem.{name}: expected a positive int, got {v!r}")
+        fmt = get_format(self.fmt)  # raises on unknown names
+        if self.K % fmt.block_size:
+            raise ValueError(f"LinearProblem.K: expected a multiple of the {fmt} block size {fmt.block_size}, "
+                             f"got {self.K}")
+        if self.mode not in ("w4a16", "w4a4"):
+            raise ValueError(f"LinearProblem.mode: expected 'w4a16' or 'w4a4', got {self.mode!r}")
+        if self.mode == "w4a4" and fmt.name != "nvfp4":
+            raise ValueError(f"LinearProblem: mode 'w4a4' needs NVFP4 weights, got {fmt}")
+        if self.x_dtype not in _X_DTYPES:
+            raise ValueError(f"LinearProblem.x_dtype: expected one of {_X_DTYPES}, got {self.x_dtype!r}")
+        if self.path is not None:
+            if self.path not in _PATHS:
+                raise ValueError(f"LinearProblem.path: expected one of {_PATHS} or None, got {self.path!r}")
+            if (self.path == "w4a16") != (self.mode == "w4a16"):
+                raise ValueError(f"LinearProblem.path: {self.path!r} does not compute mode {self.mode!r}")
+
+    def path_on(self, arch: Arch) -> Path:
+        if self.path is not None:
+            return self.path
+        from ..ops.linear import target_path
+
+        return target_path(self.mode, arch)
+
+    def __str__(self) -> str:
+        return f"M={self.M} N={self.N} K={self.K} {self.fmt} {self.mode}"
+
+
+class LinearSpec(KernelSpec[LinearProblem, Any]):
+    """``kernels.linear.fp4_linear_kernel`` (with ``splitk_reduce_kernel`` when K is split)."""
+
+    name = "fp4_linear"
+    problem_type = LinearProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.linear import LinearConfig
+
+        return LinearConfig
+
+    def variant(self, problem: LinearProblem, arch: Arch) -> str:
+        return problem.path_on(arch)
+
+    # -- space
+
+    def candidates(self, problem: LinearProblem, arch: Arch) -> list:
+        """Tiles the kernel supports and that can pay off on this problem.
+
+        block_n 64/128 (128 only for tcgen05 FP4, whose MMA is 128 rows tall); block_m from 16 up
+        to the next power of two of M (256 at most); block_k 64..256, not beyond K; 4 warps, and 8
+        for tiles of 8,192 accumulators or more; num_stages 1..4 for decode tiles (block_m <= 64),
+        2..4 above (a prefill tile without a pipeline is never competitive); split-K for decode
+        (M <= 256) in powers of two while every split keeps two or more K steps.
+        """
+        from ..ops.linear import LinearConfig
+
+        self.check_problem(problem)
+        path = problem.path_on(arch)
+        family = linear_family(path, arch)
+        block_ns = (128,) if family == "tcgen05_fp4" else (64, 128)
+        m_cap = min(256, max(16, _pow2_at_least(problem.M)))
+        block_ms = [m for m in (16, 32, 64, 128, 256) if m <= m_cap]
+        k_cap = max(64, _pow2_at_least(problem.K))
+        block_ks = [k for k in (64, 128, 256) if k <= k_cap]
+        out = []
+        for n in block_ns:
+            for m in block_ms:
+                warps = (4,) if n * m < 8192 else (4, 8)
+                stages = (1, 2, 3, 4) if m <= 64 else (2, 3, 4)
+                for k in block_ks:
+                    splits = [1]
+                    if problem.M <= 256:
+                        while problem.K // (k * splits[-1] * 2) >= 2 and splits[-1] < 16:
+                            splits.append(splits[-1] * 2)
+                    for w in warps:
+                        for s in stages:
+                            for sk in splits:
+                                out.append(LinearConfig(block_n=n, block_m=m, block_k=k, num_warps=w, num_stages=s,
+                                                        split_k=sk))
+        return out
+
+    def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.linear import choose_config
+
+        self.check_problem(problem)
+        return choose_config(problem.M, problem.N, problem.K, path=problem.path_on(arch), arch=arch,
+                             sm_count=sm_count)
+
+    # -- models
+
+    def smem_model(self, config, problem: LinearProblem, arch: Arch) -> SmemBreakdown:
+        self.check_config(config)
+        return linear_smem(config.block_n, config.block_m, config.block_k, config.num_warps, config.num_stages,
+                           config.split_k, path=problem.path_on(arch), arch=arch,
+                           group=get_format(problem.fmt).block_size, x_dtype=problem.x_dtype)
+
+    def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
+        import torch
+
+        from ..ops.linear import compile_request
+
+        x_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[problem.x_dtype]
+        return compile_request(config, problem.path_on(arch), problem.fmt, arch.sm_version, x_dtype=x_dtype,
+                               has_bias=problem.has_bias)
+
+    def expected_mma(self, problem: LinearProblem, arch: Arch) -> MmaExpectation:
+        """W4A4 on SM100/SM120 must use the native block-scaled FP4 MMA (never decoded to bf16);
+        everything else a bf16/fp16 tensor-core MMA of the architecture's widest kind."""
+        if problem.mode == "w4a4" and arch.fp4_mma == "tcgen05":
+            return MmaExpectation(f"block-scaled FP4 tcgen05.mma (kind::mxf4nvf4), {arch.name}'s native FP4 MMA",
+                                  (("tcgen05.mma", "kind::mxf4nvf4", "block_scale"),))
+        if problem.mode == "w4a4" and arch.fp4_mma == "mma_sync_block_scaled":
+            return MmaExpectation(f"block-scaled FP4 mma.sync (m16n8k64, kind::mxf4nvf4), {arch.name}'s native FP4 MMA",
+                                  (("mma.sync.aligned.m16n8k64", "kind::mxf4nvf4", "block_scale"),))
+        dt = ".f16" if problem.mode == "w4a16" and problem.x_dtype == "fp16" else ".bf16"
+        name = "fp16" if dt == ".f16" else "bf16"
+        if arch.bf16_mma == "tcgen05":
+            return MmaExpectation(f"{name} tcgen05.mma (kind::f16)", (("tcgen05.mma", "kind::f16"),))
+        if arch.bf16_mma == "wgmma":
+            return MmaExpectation(f"{name} wgmma (or mma.sync)", (("wgmma.mma_async", dt), ("mma.sync", dt)))
+        return MmaExpectation(f"{name} mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", dt),))
+
+    def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
+        from ..bench.roofline import fp4_weight_bytes
+
+        arch = gpu.arch
+        M, N, K = problem.M, problem.N, problem.K
+        path = problem.path_on(arch)
+        bn, bm, bk = config.block_n, config.block_m, config.block_k
+        # the launcher's split: never more splits than K steps, each split a whole number of steps
+        split = min(config.split_k, _cdiv(K, bk))
+        split = _cdiv(K, _cdiv(_cdiv(K, split), bk) * bk)
+        tiles_m = _cdiv(M, bm)
+        programs = _cdiv(N, bn) * tiles_m * split
+        notes = []
+        tiles_n = _cdiv(N, bn)
+        w_once = fp4_weight_bytes(N, K, problem.fmt)
+        w_bytes = w_once
+        if tiles_m > 1 and w_bytes > gpu.l2_mib * 2**20 / 2:
+            w_bytes *= tiles_m  # each M tile streams W again once it no longer fits in L2
+            notes.append(f"W re-read from DRAM by {tiles_m} M tiles (larger than half the L2)")
+        # what the GEMM reads of x: bf16 (W4A16) or NVFP4 codes + E4M3 scales (W4A4)
+        x_once = M * K * 2 if path == "w4a16" else M * K // 2 + M * K // 16
+        y_once = M * N * 2
+        out_bytes = M * N * 4 * split if split > 1 else y_once
+        nbytes = w_bytes + x_once + out_bytes
+        l2_bytes = tiles_m * w_once + tiles_n * x_once + out_bytes
+        flops = 2 * (tiles_m * bm) * (tiles_n * bn) * K
+        native = path == "w4a4_native"
+        peak = gpu.fp4_dense_tflops if native else gpu.bf16_dense_tflops
+        if peak is None:
+            raise ValueError(f"model_time: {gpu.name} has no FP4 peak in the catalogue; it cannot run {path}")
+        smem = self.smem_model(config, problem, arch).total
+        ctas = _occupancy(arch, smem, 32 * config.num_warps, registers)
+        extra = 0.0
+        if split > 1:  # the reduction kernel reads the partials and writes y
+            extra = (split * M * N * 4 + M * N * 2) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            notes.append(f"split-K {split}: fp32 partials and a reduction kernel")
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=extra)
+        # the problem's own roofline: W, x and y once, unpadded FLOPs, the path's peak
+        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
+                            bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
+
+
+# ------------------------------------------------------------------------------------------
+# nvfp4_quantize
+
+
+@dataclass(frozen=True)
+class QuantizeProblem:
+    """Quantize activations x [M, K] to NVFP4 (``ops.quantize.quantize_activations``).
+
+    ``dynamic``: the global scale is computed from amax on the device (a first, absmax pass).
+    """
+
+    M: int
+    K: int
+    x_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("M", "K"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"QuantizeProblem.{name}: expected a positive int, got {v!r}")
+        if self.K % 16:
+            raise ValueError(f"QuantizeProblem.K: expected a multiple of 16 (the NVFP4 block), got {self.K}")
+        if self.x_dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"QuantizeProblem.x_dtype: expected 'bf16', 'fp16' or 'fp32', got {self.x_dtype!r}")
+
+    def __str__(self) -> str:
+        return f"M={self.M} K={self.K} {self.x_dtype}"
+
+
+_QUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_quantize_kernel")
+
+
+def _jit_parameters(module: str, function: str) -> list[tuple[str, bool]]:
+    """(name, is_constexpr) of a @triton.jit function's parameters, read from its source file
+    (nothing imported: the kernel file may change under us, the request must follow it)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"cannot find the source of {module}")
+    tree = ast.parse(open(spec.origin).read())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [(a.arg, a.annotation is not None and "constexpr" in ast.unparse(a.annotation))
+                    for a in node.args.args]
+    raise ValueError(f"{module} has no function {function}")
+
+
+class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
+    """``kernels.quantize.nvfp4_quantize_kernel`` (and its absmax pass, when dynamic, in the time model)."""
+
+    name = "nvfp4_quantize"
+    problem_type = QuantizeProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.quantize import QuantizeConfig
+
+        return QuantizeConfig
+
+    def candidates(self, problem: QuantizeProblem, arch: Arch) -> list:
+        """block_k 64..512 (not beyond K), block_m a power of two up to M with 1,024..16,384 elements
+        per tile, and warps giving each thread 8..64 elements."""
+        from ..ops.quantize import QuantizeConfig
+
+        self.check_problem(problem)
+        out = []
+        k_cap = max(16, _pow2_at_least(problem.K))
+        m_cap = _pow2_at_least(problem.M)
+        for bk in (64, 128, 256, 512):
+            if bk > k_cap:
+                continue
+            bm = 1
+            while bm <= m_cap:
+                if 1024 <= bm * bk <= 16384 or (bm == m_cap and bm * bk < 1024):
+                    for w in (1, 2, 4, 8):
+                        if 8 <= bm * bk // (32 * w) <= 64:
+                            out.append(QuantizeConfig(block_m=bm, block_k=bk, num_warps=w))
+                bm *= 2
+        return out
+
+    def heuristic(self, problem: QuantizeProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.quantize import QuantizeConfig
+
+        self.check_problem(problem)
+        return QuantizeConfig.from_heuristic(problem.M, problem.K)
+
+    def smem_model(self, config, problem: QuantizeProblem, arch: Arch) -> SmemBreakdown:
+        self.check_config(config)
+        return quantize_smem(config.block_m, config.block_k, config.num_warps)
+
+    def compile_request(self, config, problem: QuantizeProblem, arch: Arch) -> CompileRequest:
+        """The request, built from the kernel's parameter list as it stands in its source file."""
+        module, function = _QUANTIZE_KERNEL
+        types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
+                 "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32"}
+        values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
+                  "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
+                  "GS_BY_RECIPROCAL": True}  # CUDA's torch divides by a constant through its reciprocal
+        signature, constexprs = {}, {}
+        for name, is_constexpr in _jit_parameters(module, function):
+            table = values if is_constexpr else types
+            if name not in table:
+                raise ValueError(f"nvfp4_quantize: {function} has a parameter {name!r} that "
+                                 f"fp4moe.plan.space does not know how to {'set' if is_constexpr else 'type'}")
+            (constexprs if is_constexpr else signature)[name] = table[name]
+        divisible = tuple(a for a in ("x_ptr", "data_ptr", "scales_ptr", "K", "stride_xm") if a in signature)
+        return CompileRequest(kernel=f"{module}:{function}", signature=signature, constexprs=constexprs,
+                              cc=arch.sm_version, num_warps=config.num_warps, num_stages=1,
+                              divisible_by_16=divisible)
+
+    def expected_mma(self, problem: QuantizeProblem, arch: Arch) -> None:
+        return None  # elementwise: no tensor cores
+
+    def model_time(self, config, problem: QuantizeProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
+        M, K = problem.M, problem.K
+        xb = {"bf16": 2, "fp16": 2, "fp32": 4}[problem.x_dtype]
+        programs = _cdiv(M, config.block_m) * _cdiv(K, config.block_k)
+        nbytes = M * K * xb + M * K // 2 + M * K // 16
+        notes = []
+        extra = 0.0
+        if problem.dynamic:  # absmax pass: reads x once more, one more kernel
+            extra = M * K * xb / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            notes.append("dynamic global scale: an absmax pass reads x first")
+        smem = self.smem_model(config, problem, gpu.arch).total
+        ctas = _occupancy(gpu.arch, smem, 32 * config.num_warps, registers)
+        flops = 30 * M * K  # ~30 fp32 operations per element (scale, divide by reciprocal, round, pack)
+        peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate: roughly 1/16 of the dense bf16 tensor rate
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas, extra_us=extra)
+        bound = nbytes / (gpu.mem_bandwidth_gbs * 1e3)
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
+                            bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
+
+
+# ------------------------------------------------------------------------------------------
+# registry
+
+_KERNELS: dict[str, KernelSpec] = {}
+KERNELS: Mapping[str, KernelSpec] = MappingProxyType(_KERNELS)
+"""Every registered kernel family, by name."""
+
+
+def register(spec: KernelSpec) -> KernelSpec:
+    """Add a kernel family to the registry (its name must be new)."""
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"register: expected a KernelSpec, got {type(spec).__name__}")
+    if spec.name in _KERNELS:
+        raise ValueError(f"register: a kernel named {spec.name!r} is already registered")
+    _KERNELS[spec.name] = spec
+    return spec
+
+
+def get_kernel(name: str | KernelSpec) -> KernelSpec:
+    """The registered spec called ``name`` (a spec passes through)."""
+    if isinstance(name, KernelSpec):
+        return name
+    try:
+        return _KERNELS[name]
+    except KeyError:
+        raise ValueError(f"get_kernel: no kernel named {name!r}; registered: {', '.join(_KERNELS)}") from None
+
+
+register(LinearSpec())
+register(QuantizeSpec())

@@ -1,0 +1,436 @@
+"""The planner: shared-memory model against cross-compiled kernels, legality, ranking, cache (CPU).
+
+Every cross-compilation goes through one module-wide cache, so a configuration compiled by one
+test is free for the next; the whole file compiles ~150 distinct kernels (about a minute on two
+cores with a cold cache).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import warnings
+from dataclasses import dataclass, replace
+
+import pytest
+
+from fp4moe.arch import ARCHS, get_arch
+from fp4moe.ops.linear import LinearConfig, choose_config, config_smem_bytes, fit_shared_memory, target_path
+from fp4moe.plan.cache import CompileCache, default_cache_dir, kernel_source_hash
+from fp4moe.plan.crosscompile import CompileRequest, cross_compile
+from fp4moe.plan.planner import SPILL_LIMIT_BYTES, PlanError, evaluate, legal_config, plan_many, plan_op
+from fp4moe.plan.space import KERNELS, LinearProblem, QuantizeProblem, get_kernel, register
+
+SM120_FP4_MMA = "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale"
+
+
+def agrees(model: int, compiled: int) -> bool:
+    """The model's tolerance: within 5% of the compiled size or 1 KiB, whichever is larger."""
+    return abs(model - compiled) <= max(1024, 0.05 * compiled)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> CompileCache:
+    return CompileCache(tmp_path_factory.mktemp("plan-cache"))
+
+
+# ------------------------------------------------------------------------------ GLM-5 shapes
+
+@dataclass(frozen=True)
+class Shape:
+    N: int
+    K: int
+    why: str
+
+
+GLM5_SHAPES = [
+    Shape(4096, 6144, "expert gate+up (2 x 2048 x hidden 6144)"),
+    Shape(6144, 2048, "expert down"),
+    Shape(12288, 6144, "dense MLP gate (intermediate 12288)"),
+    Shape(6144, 12288, "dense MLP down: the longest K"),
+    Shape(512, 6144, "TP8 expert gate+up: 2 x 256, the shape that crashed default tiles"),
+    Shape(6144, 256, "TP8 expert down: K of one block_k"),
+]
+TOKENS = (1, 64, 4096)  # decode (one token), decode batch, prefill
+
+
+def _default_problems(arch):
+    """(kernel, problem) for every registered kernel's default choice at GLM-5 shapes."""
+    items = []
+    for shape in GLM5_SHAPES:
+        for M in TOKENS:
+            for mode in ("w4a16", "w4a4"):
+                items.append(("fp4_linear", LinearProblem(M, shape.N, shape.K, mode=mode)))
+    for M in TOKENS:
+        for K in sorted({s.K for s in GLM5_SHAPES}):
+            items.append(("nvfp4_quantize", QuantizeProblem(M, K)))
+    assert {k for k, _ in items} == set(KERNELS), "a registered kernel has no default-choice case"
+    return items
+
+
+@pytest.mark.parametrize("cc", [120, 90])
+def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
+    """The runtime heuristic of every kernel, cross-compiled: fits the chip, does not spill, uses
+    the architecture's MMA (the block-scaled FP4 mma.sync for W4A4 on SM120), and the model agrees."""
+    arch = get_arch(cc)
+    items = _default_problems(arch)
+    specs = [get_kernel(k) for k, _ in items]
+    configs = [s.heuristic(p, arch, 188 if cc == 120 else 132) for s, (_, p) in zip(specs, items)]
+    requests = [s.compile_request(c, p, arch) for s, c, (_, p) in zip(specs, configs, items)]
+    results = cross_compile(requests, cache=cache)
+    for spec, cfg, (_, problem), r in zip(specs, configs, items, results):
+        where = f"{spec.name} {problem} {cfg} on sm{cc}"
+        assert r.ok, f"{where}: {r.error}"
+        assert r.shared <= arch.smem_per_block_optin, f"{where}: {r.shared:,} B > {arch.smem_per_block_optin:,} B"
+        assert r.spill_bytes is not None and r.spill_bytes <= SPILL_LIMIT_BYTES, f"{where}: {r.ptxas_log}"
+        expectation = spec.expected_mma(problem, arch)
+        if expectation is not None:
+            assert expectation.violation(r.mma) is None, f"{where}: {expectation.violation(r.mma)}"
+        if cc == 120 and spec.name == "fp4_linear" and problem.mode == "w4a4":
+            assert any(m.startswith(SM120_FP4_MMA) for m in r.mma), f"{where}: {r.mma}"
+        model = spec.smem_model(cfg, problem, arch).total
+        assert agrees(model, r.shared), f"{where}: model {model:,} B, compiled {r.shared:,} B"
+
+
+# ------------------------------------------------------------------------------ the seed failure
+
+
+def test_seed_failure_rejected_on_sm120_accepted_on_sm100(cache):
+    """A 128x256x128 W4A4 tile with a 5-buffer pipeline: ~122 KB, over SM120's 101,376 B, well
+    within SM100's 232,448 B. Rejected by the model (required and allowed bytes quoted, with the
+    breakdown), the compiled kernel confirms it; on SM100 it compiles and is legal."""
+    seed = LinearConfig(block_n=128, block_m=256, block_k=128, num_warps=8, num_stages=6)
+    problem = LinearProblem(4096, 6144, 6144, mode="w4a4")
+
+    by_model = evaluate("fp4_linear", problem, "sm120", seed, compile=False)
+    assert not by_model.legal
+    (reason,) = by_model.reasons
+    assert re.match(r"needs 12\d,\d{3} B of shared memory, limit 101,376 B \(sm120\): weight tile", reason), reason
+    assert "activation tile (FP4) 5 x 16,384 B" in reason
+
+    compiled = evaluate("fp4_linear", problem, "sm120", seed, cache=cache)
+    assert not compiled.legal and compiled.shared_compiled > 101_376
+    assert any(re.match(r"compiled kernel needs 12\d,\d{3} B of shared memory, limit 101,376 B \(sm120\)", r)
+               for r in compiled.reasons), compiled.reasons
+    assert agrees(compiled.shared_model, compiled.shared_compiled)
+
+    on_sm100 = evaluate("fp4_linear", problem, "sm100", seed, cache=cache)
+    assert on_sm100.legal, on_sm100.reasons
+    assert on_sm100.shared_compiled <= 232_448 and any("tcgen05.mma" in m for m in on_sm100.mma)
+
+
+def test_plan_rejects_cutlass_sized_tile_on_sm120_in_the_chips_terms(cache):
+    """The planner's own candidate 128x256x256 with 4 stages carries 147,456 B of operand tiles
+    (CUTLASS's "Required: 147456" on SM120); the plan lists it as rejected, quoting the limit."""
+    big = LinearConfig(block_n=128, block_m=256, block_k=256, num_warps=8, num_stages=4)
+    result = plan_op("fp4_linear", LinearProblem(4096, 6144, 6144, mode="w4a4"), "sm120", cache=cache)
+    rejected = {v.config: v for v in result.rejected}
+    assert big in rejected
+    match = re.match(r"needs ([\d,]+) B of shared memory, limit 101,376 B \(sm120\): weight tile \(FP4\) 3 x 16,384 B "
+                     r"\+ activation tile \(FP4\) 3 x 32,768 B", rejected[big].reasons[0])
+    assert match and int(match.group(1).replace(",", "")) > 147_456, rejected[big].reasons[0]
+    assert result.chosen is not None and result.chosen.legal
+    assert any(m.startswith(SM120_FP4_MMA) for m in result.chosen.mma)
+    assert result.chosen.shared_compiled <= 101_376
+    # on SM100 the same tile is within the model's limit
+    assert get_kernel("fp4_linear").smem_model(big, LinearProblem(4096, 6144, 6144, mode="w4a4"),
+                                               get_arch("sm100")).total <= 232_448
+
+
+# ------------------------------------------------------------------------------ model vs compiled
+
+# A representative spread of the planner's candidate space: decode tiles without a pipeline and
+# with split K, pipelined decode tiles, and prefill tiles of 4 and 8 warps.
+_SPREAD = [
+    LinearConfig(64, 16, 256, 4, 1, split_k=4),
+    LinearConfig(64, 32, 128, 4, 2),
+    LinearConfig(64, 64, 128, 4, 1, split_k=2),
+    LinearConfig(128, 16, 128, 4, 4),
+    LinearConfig(128, 64, 256, 4, 3),
+    LinearConfig(128, 128, 64, 8, 3),
+    LinearConfig(128, 256, 64, 8, 2),
+    LinearConfig(128, 128, 128, 8, 4),
+]
+
+
+def _spread_cases():
+    cases = []
+    for cc in (80, 89, 90, 100, 120):
+        arch = get_arch(cc)
+        for mode in ("w4a16", "w4a4"):
+            path = target_path(mode, arch)
+            for cfg in _SPREAD:
+                if path == "w4a4_native" and arch.fp4_mma == "tcgen05" and cfg.block_n != 128:
+                    continue  # tcgen05's FP4 MMA is 128 rows tall: not a candidate there
+                cases.append((cc, LinearProblem(4096, 6144, 6144, mode=mode), cfg))
+    # the other formats and activation dtype on one architecture of each MMA family
+    for cc in (89, 90, 100, 120):
+        for cfg in (_SPREAD[0], _SPREAD[4]):
+            cases.append((cc, LinearProblem(4096, 6144, 6144, fmt="mxfp4"), cfg))
+            cases.append((cc, LinearProblem(4096, 6144, 6144, x_dtype="fp16"), cfg))
+    return cases
+
+
+def test_smem_model_agrees_with_compiled_shared_memory(cache):
+    spec = get_kernel("fp4_linear")
+    cases = _spread_cases()
+    requests = [spec.compile_request(cfg, p, get_arch(cc)) for cc, p, cfg in cases]
+    q = get_kernel("nvfp4_quantize")
+    q_cases = [(cc, QuantizeProblem(64, 6144), c) for cc in (80, 90, 100, 120)
+               for c in q.candidates(QuantizeProblem(64, 6144), get_arch(cc))[::5]]
+    requests += [q.compile_request(c, p, get_arch(cc)) for cc, p, c in q_cases]
+    results = cross_compile(requests, cache=cache)
+    worst = []
+    for (cc, problem, cfg), r in zip(cases + q_cases, results):
+        s = spec if isinstance(problem, LinearProblem) else q
+        assert r.ok, f"{problem} {cfg} sm{cc}: {r.error}"
+        model = s.smem_model(cfg, problem, get_arch(cc))
+        worst.append(abs(model.total - r.shared))
+        assert agrees(model.total, r.shared), (
+            f"sm{cc} {problem} {cfg}: model {model.total:,} B ({model.describe()}), compiled {r.shared:,} B "
+            f"(buffers {r.smem_buffers})")
+    assert len(worst) >= 90
+
+
+def test_planner_compiled_candidates_agree_with_the_model(cache):
+    """Whatever the planner compiles (its top candidates and the heuristic) agrees with the model."""
+    problems = [LinearProblem(16, 512, 6144, mode="w4a4"), LinearProblem(64, 6144, 2048),
+                LinearProblem(4096, 4096, 6144, mode="w4a4")]
+    for arch in ("sm120", "sm89"):
+        for result in plan_many([("fp4_linear", p) for p in problems], arch, cache=cache):
+            compiled = [v for v in result.legal + result.rejected if v.compiled is not None and v.compiled.ok]
+            assert compiled
+            for v in compiled:
+                assert agrees(v.shared_model, v.shared_compiled), (
+                    f"{arch} {result.problem} {v.config}: model {v.shared_model:,}, compiled {v.shared_compiled:,}")
+
+
+# ------------------------------------------------------------------------------ legality
+
+
+def test_w4a4_emulated_on_sm120_is_a_wrong_mma_not_a_silent_fallback(cache):
+    """Forcing the decode-to-bf16 path for W4A4 on SM120 compiles, but issues bf16 mma.sync where the
+    chip has the block-scaled FP4 one: rejected, naming what was expected and what was found."""
+    problem = LinearProblem(16, 4096, 6144, mode="w4a4", path="w4a4_emulated")
+    v = evaluate("fp4_linear", problem, "sm120", cache=cache)
+    assert v.compiled.ok and not v.legal
+    (reason,) = v.reasons
+    assert reason.startswith("wrong MMA on sm120: expected block-scaled FP4 mma.sync (m16n8k64, kind::mxf4nvf4)")
+    assert "mma.sync.aligned.m16n8k16" in reason and "bf16" in reason
+
+
+def test_spills_above_the_limit_are_rejected(cache, monkeypatch):
+    """A prefill tile on mma.sync uses most registers; with a negative limit any count is "too many",
+    which shows the rejection path and its wording."""
+    import fp4moe.plan.planner as planner
+
+    monkeypatch.setattr(planner, "SPILL_LIMIT_BYTES", -1)
+    v = evaluate("fp4_linear", LinearProblem(4096, 6144, 6144), "sm120", LinearConfig(128, 128, 64, 8, 3),
+                 cache=cache)
+    assert any(re.match(r"spills 0 B to local memory \(\d+ registers per thread; limit -1 B\)", r)
+               for r in v.reasons), v.reasons
+
+
+def test_plan_result_reports_side_by_side(cache):
+    result = plan_op("fp4_linear", LinearProblem(16, 512, 6144, mode="w4a4"), gpu="rtx pro 6000", cache=cache)
+    chosen = result.chosen
+    assert result.arch.name == "sm120" and result.gpu.sm_count == 188 and result.variant == "w4a4_native"
+    assert chosen.legal and chosen.stage == "compile"
+    assert chosen.registers > 0 and chosen.spills == 0
+    assert 0 < chosen.time.fraction <= 1.0 + 1e-9 and chosen.time.us > 0
+    text = result.explain()
+    assert "chosen:" in text and "modelled /" in text and "limit 101,376 B" in text
+    data = json.loads(json.dumps(result.as_dict()))
+    assert data["chosen"]["shared_model"] == chosen.shared_model
+    assert data["chosen"]["shared_compiled"] == chosen.shared_compiled
+    assert data["chosen"]["smem_breakdown"]["terms"]
+    # the heuristic was compiled and judged in the same plan
+    assert result.heuristic.stage == "compile"
+
+
+def test_plan_without_compiling_and_arch_gpu_resolution():
+    result = plan_op("fp4_linear", LinearProblem(1, 6144, 256), "sm90", compile=False)
+    assert result.gpu.name == "H100" and result.chosen.stage == "model" and result.compiled == 0
+    with pytest.raises(ValueError, match="gpu H200 is sm90, not sm120"):
+        plan_op("fp4_linear", LinearProblem(1, 6144, 256), "sm120", gpu="h200", compile=False)
+    with pytest.raises(ValueError, match="give an arch"):
+        plan_op("fp4_linear", LinearProblem(1, 6144, 256), compile=False)
+
+
+def test_legal_config_is_the_heuristic_and_raises_when_it_does_not_fit(monkeypatch):
+    spec = get_kernel("fp4_linear")
+    problem = LinearProblem(4096, 6144, 6144, mode="w4a4")
+    assert legal_config("fp4_linear", problem, "sm120", 188) == spec.heuristic(problem, get_arch("sm120"), 188)
+    seed = LinearConfig(128, 256, 128, 8, 6)
+    monkeypatch.setattr(type(spec), "heuristic", lambda self, p, a, s=None: seed)
+    with pytest.raises(PlanError, match=r"needs 12\d,\d{3} B of shared memory, limit 101,376 B \(sm120\)"):
+        legal_config("fp4_linear", problem, "sm120")
+
+
+# ------------------------------------------------------------------------------ runtime heuristic
+
+
+@pytest.mark.parametrize("arch_name", sorted(ARCHS))
+def test_choose_config_never_exceeds_the_modelled_limit(arch_name):
+    arch = ARCHS[arch_name]
+    for mode in ("w4a16", "w4a4"):
+        path = target_path(mode, arch)
+        for shape in GLM5_SHAPES:
+            for M in (1, 16, 64, 256, 300, 4096, 65536):
+                cfg = choose_config(M, shape.N, shape.K, path=path, arch=arch, sm_count=132)
+                assert config_smem_bytes(cfg, path, arch) <= arch.smem_per_block_optin, (arch_name, path, M, cfg)
+
+
+def test_fit_shared_memory_steps_down_stages_then_tiles():
+    sm120, sm100 = get_arch("sm120"), get_arch("sm100")
+    seed = LinearConfig(128, 256, 128, 8, 6)
+    assert fit_shared_memory(seed, "w4a4_native", sm100) == seed  # fits there: unchanged
+    fitted = fit_shared_memory(seed, "w4a4_native", sm120)
+    assert fitted == replace(seed, num_stages=5)  # 4 x 24,576 B of tiles + scratch = 99,3xx B
+    assert config_smem_bytes(fitted, "w4a4_native", sm120) <= 101_376
+    wide = LinearConfig(128, 256, 256, 8, 3)
+    assert fit_shared_memory(wide, "w4a16", sm120) == LinearConfig(128, 256, 128, 8, 2)  # 2 stages, K tile 128
+
+
+# ------------------------------------------------------------------------------ roofline
+
+
+def test_time_model_waves_split_and_bound():
+    spec = get_kernel("fp4_linear")
+    from fp4moe.arch import find_gpu
+
+    pro = find_gpu("rtx pro 6000")
+    decode = LinearProblem(16, 4096, 6144)
+    one = spec.model_time(LinearConfig(64, 16, 256, 4, 1), decode, pro)
+    split = spec.model_time(LinearConfig(64, 16, 256, 4, 1, split_k=4), decode, pro)
+    assert one.limiter == "memory" and one.programs == 64 and one.waves == 1
+    assert split.programs == 256  # more programs than SMs: the bandwidth is no longer left idle
+    assert split.us < one.us and any("split-K 4" in n for n in split.notes)
+    for t in (one, split):
+        assert 0 < t.fraction <= 1.0 + 1e-9
+    prefill = spec.model_time(LinearConfig(128, 128, 64, 8, 3), LinearProblem(4096, 12288, 6144, mode="w4a4"), pro)
+    assert prefill.peak_tflops == pro.fp4_dense_tflops and prefill.fraction <= 1.0 + 1e-9
+    small = spec.model_time(LinearConfig(64, 16, 64, 4, 3), LinearProblem(4096, 12288, 6144, mode="w4a4"), pro)
+    assert small.us > prefill.us  # small tiles re-read operands from L2 many more times
+    with pytest.raises(ValueError, match="H100 has no FP4 peak"):
+        spec.model_time(LinearConfig(64, 16, 256, 4, 1), LinearProblem(16, 4096, 6144, mode="w4a4",
+                                                                       path="w4a4_native"), find_gpu("h100"))
+
+
+# ------------------------------------------------------------------------------ registry and space
+
+
+def test_registry_and_candidates():
+    assert set(KERNELS) >= {"fp4_linear", "nvfp4_quantize"}
+    with pytest.raises(ValueError, match="no kernel named 'nope'; registered: fp4_linear, nvfp4_quantize"):
+        get_kernel("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register(get_kernel("fp4_linear"))
+    spec = get_kernel("fp4_linear")
+    sm100, sm120 = get_arch("sm100"), get_arch("sm120")
+    decode = spec.candidates(LinearProblem(16, 512, 6144, mode="w4a4"), sm100)
+    assert decode and all(c.block_n == 128 and c.block_m == 16 for c in decode)
+    prefill = spec.candidates(LinearProblem(4096, 6144, 6144), sm120)
+    assert all(c.split_k == 1 for c in prefill) and max(c.block_m for c in prefill) == 256
+    assert all(c.num_stages >= 2 for c in prefill if c.block_m > 64)
+    with pytest.raises(TypeError, match="expected a LinearProblem, got QuantizeProblem"):
+        spec.candidates(QuantizeProblem(16, 6144), sm120)
+    with pytest.raises(ValueError, match="mode 'w4a4' needs NVFP4 weights"):
+        LinearProblem(16, 512, 6144, fmt="mxfp4", mode="w4a4")
+    with pytest.raises(ValueError, match=r"K: expected a multiple of the mxfp4 block size 32, got 48"):
+        LinearProblem(16, 512, 48, fmt="mxfp4")
+
+
+def test_quantize_request_follows_the_kernel_source():
+    spec = get_kernel("nvfp4_quantize")
+    req = spec.compile_request(spec.heuristic(QuantizeProblem(16, 6144), get_arch(120)), QuantizeProblem(16, 6144),
+                               get_arch(120))
+    from fp4moe.plan.space import _jit_parameters
+
+    params = _jit_parameters("fp4moe.kernels.quantize", "nvfp4_quantize_kernel")
+    assert list(req.signature) == [n for n, c in params if not c]
+    assert list(req.constexprs) == [n for n, c in params if c]
+    assert req.constexprs["EMULATE_FMA"] is False
+
+
+# ------------------------------------------------------------------------------ cache and compiler
+
+
+def _small_request(cc: int = 120) -> CompileRequest:
+    return get_kernel("fp4_linear").compile_request(LinearConfig(64, 16, 128, 4, 1), LinearProblem(16, 512, 6144),
+                                                    get_arch(cc))
+
+
+def test_cache_hit_is_fast_and_identical(tmp_path):
+    store = CompileCache(tmp_path)
+    req = _small_request()
+    start = time.perf_counter()
+    (first,) = cross_compile([req], cache=store)
+    cold = time.perf_counter() - start
+    assert first.ok and store.misses == 1 and store.hits == 0
+    start = time.perf_counter()
+    (second,) = cross_compile([req], cache=store)
+    warm = time.perf_counter() - start
+    assert store.hits == 1 and second == first
+    assert warm < 0.2 and warm < cold / 5, (cold, warm)
+    # another target is another entry
+    assert store.path(req) != store.path(replace(req, cc=90))
+
+
+def test_cache_key_follows_source_triton_and_request(tmp_path, monkeypatch):
+    import fp4moe.plan.cache as cache_mod
+
+    store = CompileCache(tmp_path)
+    req = _small_request()
+    key = store.key(req)
+    assert key == CompileCache(tmp_path / "other").key(req)  # location independent
+    assert key != store.key(replace(req, num_warps=8))
+    monkeypatch.setattr(cache_mod, "_triton_version", lambda: "0.0-test")
+    assert store.key(req) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(cache_mod, "kernel_source_hash", lambda kernel: "edited")
+    assert store.key(req) != key
+    # the linear kernel's source hash covers the decode helpers it imports
+    monkeypatch.undo()
+    h = kernel_source_hash("fp4moe.kernels.linear:fp4_linear_kernel")
+    assert h != kernel_source_hash("fp4moe.kernels.quantize:nvfp4_quantize_kernel")
+    assert set(cache_mod._kernel_imports("fp4moe.kernels.linear", __import__("ast").parse(
+        open(cache_mod._module_file("fp4moe.kernels.linear")).read()),
+        cache_mod._module_file("fp4moe.kernels").parent)) == {"fp4moe.kernels.fp4_decode"}
+
+
+def test_cache_location_and_corrupt_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("FP4MOE_CACHE_DIR", str(tmp_path / "env"))
+    assert default_cache_dir() == tmp_path / "env" / "plan"
+    store = CompileCache()
+    assert store.root == tmp_path / "env" / "plan"
+    req = _small_request()
+    (good,) = cross_compile([req], cache=store)
+    path = store.path(req)
+    assert path.exists() and not list(path.parent.glob(".tmp-*"))  # written atomically
+    path.write_text("{ not json")
+    with pytest.warns(RuntimeWarning, match="ignoring corrupt entry"):
+        (again,) = cross_compile([req], cache=store)
+    assert again.ok and again.shared == good.shared
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert store.get(req) == again  # rewritten
+
+
+def test_compiler_crash_costs_only_its_own_request(tmp_path, monkeypatch):
+    """A compiler abort kills the worker; the request is reported failed, the others still compile."""
+    (tmp_path / "crashy.py").write_text(
+        "import os\n"
+        "class Kernel:\n"
+        "    @property\n"
+        "    def arg_names(self):\n"
+        "        os.abort()\n"
+        "kernel = Kernel()\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    crash = CompileRequest(kernel="crashy:kernel", signature={"x": "i32"}, constexprs={}, cc=120,
+                           divisible_by_16=("x",))
+    good = _small_request()
+    results = cross_compile([good, crash, good, _small_request(90)], jobs=1)
+    assert [r.ok for r in results] == [True, False, True, True]
+    assert "the compiler crashed (killed by SIGABRT)" in results[1].error
