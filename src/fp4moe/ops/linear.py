@@ -9,6 +9,7 @@ with a fake implementation, so torch.compile and CUDA graphs see a plain op) ->
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -79,6 +80,7 @@ def choose_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None, sm_c
     return fit_shared_memory(cfg, path, arch) if arch is not None else cfg
 
 
+@functools.lru_cache(maxsize=4096)  # runs on every forward call through choose_config
 def config_smem_bytes(config: LinearConfig, path: Path, arch: Arch) -> int:
     """Modelled shared memory of ``config`` on ``arch`` (``fp4moe.plan.smem``): the most of any
     weight format (NVFP4, MXFP4: their scale tiles differ) and activation dtype (bf16, fp16)."""
