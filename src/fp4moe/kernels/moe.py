@@ -21,16 +21,25 @@ from .fp4_decode import FAST_FOLD_E4M3, FAST_FOLD_E8M0, decode_fp4_tile, decode_
 
 
 @triton.jit
-def _weight_rows_dot(acc, w_ptr, ws_ptr, rows, row_mask, xt, k0, k_end, offs_kb, offs_kw,
-                     stride_wn, stride_wsn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                     W_E4M3: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
-    """acc += decode(W[rows, k0:k0+BLOCK_K]) @ xt  (xt: [BLOCK_K, BLOCK_M])."""
+def _load_weight_rows(w_ptr, ws_ptr, rows, row_mask, k0, k_end, offs_kb, offs_kw, stride_wn, stride_wsn,
+                      GROUP: tl.constexpr):
+    """Packed bytes [R, BLOCK_K/2] and scale bytes [R, BLOCK_K/GROUP] of weight rows ``rows`` at step k0."""
     kb = k0 // 2 + offs_kb
     kw = k0 // GROUP + offs_kw
     w = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=row_mask[:, None] & (kb < k_end // 2)[None, :],
                 other=0)
     ws = tl.load(ws_ptr + rows[:, None] * stride_wsn + kw[None, :],
                  mask=row_mask[:, None] & (kw < k_end // GROUP)[None, :], other=0)
+    return w, ws
+
+
+@triton.jit
+def _weight_rows_dot(acc, w_ptr, ws_ptr, rows, row_mask, xt, k0, k_end, offs_kb, offs_kw,
+                     stride_wn, stride_wsn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                     W_E4M3: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr):
+    """acc += decode(W[rows, k0:k0+BLOCK_K]) @ xt  (xt: [BLOCK_K, BLOCK_M])."""
+    w, ws = _load_weight_rows(w_ptr, ws_ptr, rows, row_mask, k0, k_end, offs_kb, offs_kw, stride_wn, stride_wsn,
+                              GROUP)
     if FAST_DECODE:
         wd = decode_fp4_tile_fast(w, ws, BLOCK_N, BLOCK_K, GROUP, W_E4M3)
     else:
@@ -42,12 +51,8 @@ def _weight_rows_dot(acc, w_ptr, ws_ptr, rows, row_mask, xt, k0, k_end, offs_kb,
 def _weight_rows_dot_scaled(acc, w_ptr, ws_ptr, rows, row_mask, xq, xs, k0, k_end, offs_kb, offs_kw,
                             stride_wn, stride_wsn, GROUP: tl.constexpr, W_E4M3: tl.constexpr):
     """acc += W[rows, k-step] @ X^T with native block-scaled FP4 MMA (SM100/SM120 only)."""
-    kb = k0 // 2 + offs_kb
-    kw = k0 // GROUP + offs_kw
-    w = tl.load(w_ptr + rows[:, None] * stride_wn + kb[None, :], mask=row_mask[:, None] & (kb < k_end // 2)[None, :],
-                other=0)
-    ws = tl.load(ws_ptr + rows[:, None] * stride_wsn + kw[None, :],
-                 mask=row_mask[:, None] & (kw < k_end // GROUP)[None, :], other=0)
+    w, ws = _load_weight_rows(w_ptr, ws_ptr, rows, row_mask, k0, k_end, offs_kb, offs_kw, stride_wn, stride_wsn,
+                              GROUP)
     if W_E4M3:
         ws = ws.to(tl.float8e4nv, bitcast=True)
     return tl.dot_scaled(w, ws, "e2m1", tl.trans(xq), xs.to(tl.float8e4nv, bitcast=True), "e2m1", acc)

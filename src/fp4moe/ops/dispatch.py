@@ -25,10 +25,10 @@ Deterministic: no atomics; every position is an integer count.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+from ._runtime import interpreting
 
 __all__ = ["DispatchConfig", "DispatchPlan", "TileMap", "dispatch", "dispatch_reference", "launch_dispatch",
            "launch_tile_map", "max_tiles", "tile_map", "tile_map_reference", "compile_requests"]
@@ -132,10 +132,6 @@ class DispatchPlan:
 # validation
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _check(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, kernel: bool) -> None:
     if not isinstance(topk_ids, torch.Tensor):
         raise TypeError(f"topk_ids: expected a torch.Tensor, got {type(topk_ids).__name__}")
@@ -150,7 +146,7 @@ def _check(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, kernel: bool
         raise ValueError(f"topk_ids: expected 1..n_experts={n_experts} columns (top-k), got {k}")
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
-    if kernel and topk_ids.device.type == "cpu" and not _interpreting():
+    if kernel and topk_ids.device.type == "cpu" and not interpreting():
         raise ValueError("topk_ids: CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); "
                          "move them to a CUDA device")
 

@@ -10,7 +10,6 @@ with a fake implementation, so torch.compile and CUDA graphs see a plain op) ->
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,6 +19,7 @@ from .. import guard
 from ..arch import Arch
 from ..formats import NVFP4, FP4Format, get_format
 from ..quantize import FP4Tensor, dequantize, quantize
+from ._runtime import interpreting, mma_dtype
 
 Mode = Literal["w4a16", "w4a4"]
 Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
@@ -142,10 +142,6 @@ def _heuristic_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None,
     return LinearConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def device_arch(device: torch.device) -> Arch | None:
     """The catalogue architecture of a CUDA device; None for CPU (the interpreter)."""
     if device.type != "cuda":
@@ -167,7 +163,7 @@ def target_path(mode: Mode, arch: Arch | None) -> Path:
 
 def choose_path(mode: Mode, arch: Arch | None) -> Path:
     """``target_path``, except that the interpreter (no native FP4 MMA) runs W4A4 emulated."""
-    if mode == "w4a4" and _interpreting():
+    if mode == "w4a4" and interpreting():
         return "w4a4_emulated"
     return target_path(mode, arch)
 
@@ -193,7 +189,7 @@ def _check_inputs(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode
         raise ValueError(f"w: mode 'w4a4' needs NVFP4 weights, got {w.fmt}")
     if x.device != w.device:
         raise ValueError(f"x and w: expected the same device, got x on {x.device} and w on {w.device}")
-    if x.device.type == "cpu" and not _interpreting():
+    if x.device.type == "cpu" and not interpreting():
         raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); move x and w to a CUDA device")
     if bias is not None:
         if bias.shape != (w.shape[0],):
@@ -229,12 +225,12 @@ def launch_linear(
     if act == 0:
         x_arg, xs_arg, xg_arg = x2, w_scales, wg
         stride_xm, stride_xsm = x2.stride(0), 0
-        compute = _tl_dtype(x2.dtype)
+        compute = mma_dtype(x2.dtype)
     else:
         assert xq is not None
         x_arg, xs_arg, xg_arg = xq.data, xq.scales.view(torch.uint8), xq.global_scale
         stride_xm, stride_xsm = xq.data.stride(0), xq.scales.stride(0)
-        compute = _tl_dtype(torch.bfloat16)
+        compute = mma_dtype(torch.bfloat16)
     split = min(config.split_k, triton.cdiv(K, config.block_k))
     k_per_split = triton.cdiv(triton.cdiv(K, split), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)
@@ -263,15 +259,7 @@ def launch_linear(
 
 def _fast_decode(path: Path, x_dtype: torch.dtype) -> bool:
     """The inline-PTX decoder serves bf16 operands in compiled kernels (not the interpreter)."""
-    return not _interpreting() and path != "w4a4_native" and (path == "w4a4_emulated" or x_dtype == torch.bfloat16)
-
-
-def _tl_dtype(dtype: torch.dtype):
-    import triton.language as tl
-
-    if _interpreting():  # the interpreter's bf16 tl.dot is wrong (Triton 3.6); values are exact in fp32
-        return tl.float32
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+    return not interpreting() and path != "w4a4_native" and (path == "w4a4_emulated" or x_dtype == torch.bfloat16)
 
 
 def _quantize_x(x2: torch.Tensor, input_global_scale: torch.Tensor | None) -> FP4Tensor:

@@ -6,7 +6,6 @@ Routing (top-k ids and weights) is an input here; ``ops.routing`` computes it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +14,7 @@ import torch
 from .. import guard
 from ..quantize import FP4Tensor, dequantize
 from .dispatch import DispatchPlan, dispatch
+from ._runtime import interpreting, mma_dtype
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
@@ -69,18 +69,6 @@ def choose_moe_configs(T: int, top_k: int, n_experts: int, H: int, I: int, *, ar
 # launchers
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _compute_dtype(x_dtype: torch.dtype):
-    import triton.language as tl
-
-    if _interpreting():
-        return tl.float32  # the interpreter's bf16 tl.dot is wrong (Triton 3.6); values are exact
-    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[x_dtype]
-
-
 def _weight_globals(w: FP4Tensor) -> tuple[torch.Tensor | None, int]:
     """The kernel's view of a stacked weight's global scales: (None, 0) for MXFP4; ([E], 1) for one
     global (per tensor or per expert [E, 1]); ([E, N], 2) for one per row (checkpoints whose gate
@@ -112,13 +100,13 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
     placeholder = plan.sorted_pair
     if act == 0:
         x_arg, xs_arg, xg_arg, stride_xsm = x, placeholder, placeholder, 0
-        compute = _compute_dtype(x.dtype)
-        fast = not _interpreting() and x.dtype == torch.bfloat16
+        compute = mma_dtype(x.dtype)
+        fast = not interpreting() and x.dtype == torch.bfloat16
     else:
         x_arg, xs_arg, xg_arg = x.data, x.scales.view(torch.uint8), x.global_scale
         stride_xsm = xs_arg.stride(0)
-        compute = _compute_dtype(torch.bfloat16)
-        fast = not _interpreting() and act == 1
+        compute = mma_dtype(torch.bfloat16)
+        fast = not interpreting() and act == 1
     grid = (triton.cdiv(n_out, cfg.block_n), plan.max_tiles)
     moe_gemm_kernel[grid](
         x_arg, xs_arg, xg_arg, w.data, ws, wg if wg is not None else placeholder,

@@ -58,7 +58,7 @@ assertion (``torch._assert_async``), which does not synchronise and survives CUD
 from __future__ import annotations
 
 import math
-import os
+from ._runtime import interpreting
 import struct
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -201,10 +201,6 @@ class RoutingResult:
 # validation
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _check(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, k0: int | None,
            *, kernel: bool) -> None:
     if not isinstance(logits, torch.Tensor):
@@ -251,7 +247,7 @@ def _check(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, k0
     if k0 is not None:
         if isinstance(k0, bool) or not isinstance(k0, int) or not 1 <= k0 <= k:
             raise ValueError(f"k0: expected an int in 1..top_k={k}, got {k0!r}")
-    if kernel and logits.device.type == "cpu" and not _interpreting():
+    if kernel and logits.device.type == "cpu" and not interpreting():
         raise ValueError("logits: CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); "
                          "move them to a CUDA device")
 
