@@ -80,3 +80,8 @@ def test_block_checks_its_parts(device):
     with pytest.raises(ValueError, match="give both or neither"):
         FP4MoE(block.router_weight, block.w13, block.w2, ROUTINGS[0],
                shared_gate_up=FP4Linear(64, 64, device=device))
+
+
+def test_block_with_no_tokens(device):
+    block, x = _block(ROUTINGS[1], device, shared=True)
+    assert block(x[:0]).shape == (0, 64)
