@@ -8,6 +8,7 @@ import torch
 import fp4moe
 from fp4moe import guard
 from fp4moe.guard import TOLERANCES
+from fp4moe.nn import FP4Linear
 from fp4moe.ops.linear import LinearConfig, choose_config, compile_request, fp4_linear, fp4_linear_reference
 
 TOL = TOLERANCES["fp4_linear"]
@@ -125,6 +126,8 @@ def test_guard_catches_a_configuration_that_writes_garbage(device, monkeypatch):
     x, w, _ = _problem(Case(2, 32, 64, ""), "nvfp4", device)
     with pytest.raises(guard.GuardError, match=r"fp4_linear\[w4a16,nvfp4,bfloat16\].*all zeros"):
         fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
+    with pytest.raises(guard.GuardError, match="all zeros"):  # and again: a failed key never falls back silently
+        fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
     guard.reset()
     monkeypatch.setenv("FP4MOE_GUARD", "warn")
     with pytest.warns(RuntimeWarning, match="Falling back"):
@@ -206,3 +209,22 @@ def test_gpu_torch_compile_and_cuda_graph():
     static_x.copy_(x * 2)
     graph.replay()
     assert_close(static_y, fp4_linear_reference(x * 2, layer.weight_fp4, layer.bias))
+
+
+def test_fp4linear_survives_dtype_conversion(device):
+    layer = FP4Linear.from_linear(torch.nn.Linear(64, 32).to(device), "nvfp4")
+    before = layer.weight_fp4
+    layer = layer.to(torch.float16)  # the FP4 buffers keep their dtypes; only the bias follows
+    after = layer.weight_fp4
+    assert after.scales.dtype == torch.float8_e4m3fn and after.global_scale.dtype == torch.float32
+    assert torch.equal(after.global_scale, before.global_scale)
+    assert layer.bias.dtype == torch.float16
+    x = torch.randn(3, 64, device=device, dtype=torch.float16)
+    assert_close(layer(x), fp4_linear_reference(x, after, layer.bias))
+
+
+def test_per_row_global_is_refused_by_linear(device):
+    w = fp4moe.quantize(torch.randn(32, 64)).to(device)
+    per_row = fp4moe.FP4Tensor(w.data, w.scales, w.global_scale.reshape(1).expand(32).contiguous(), w.shape, "nvfp4")
+    with pytest.raises(ValueError, match="one global scale per weight"):
+        fp4_linear(torch.randn(2, 64, device=device, dtype=torch.bfloat16), per_row)

@@ -105,18 +105,31 @@ def test_zero_tokens(device):
     assert fp4_moe_experts(x[:0], w13, w2, ids[:0], wts[:0]).shape == (0, 64)
 
 
-def test_dropped_slots_are_skipped(device):
-    """OEA leaves slots it cannot fill as id -1 (weight 0): no expert runs for them and the
-    combine skips their never-written rows."""
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_dropped_slots_are_skipped(mode, device, monkeypatch):
+    """OEA leaves slots it cannot fill as id -1 (weight 0), and dispatch drops any id outside
+    [0, E): no expert runs for them and the combine skips their rows, which are never written
+    (here filled with huge values to prove it; W4A4 must also keep them out of the re-quantized
+    SwiGLU output's global scale)."""
+    import fp4moe.ops.moe as moe_ops
+
+    real_empty = torch.empty
+
+    def junk_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(1e30) if t.is_floating_point() else t
+
+    monkeypatch.setattr(moe_ops.torch, "empty", junk_empty)
     case = Case(5, 6, 3, 64, 32, "")
     x, w13, w2, ids, wts, _, _ = _problem(case, "nvfp4", device)
     ids = ids.clone()
     ids[1, 2] = -1
     ids[3, 1:] = -1
+    ids[4, 0] = case.E  # out of range: dropped too
     wts = torch.where(ids >= 0, wts, torch.zeros_like(wts))
-    out = fp4_moe_experts(x, w13, w2, ids, wts, configs=SMALL)
+    out = fp4_moe_experts(x, w13, w2, ids, wts, configs=SMALL, mode=mode)
     assert torch.isfinite(out).all()
-    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts))
+    assert_close(out, fp4_moe_reference(x, w13, w2, ids, wts, mode=mode), mode)
 
 
 def test_bad_inputs(device):
@@ -196,24 +209,30 @@ def test_cross_compile_default_configs():
         assert any("mma" in m for m in r.mma)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("per", ["expert", "row"])
-def test_per_expert_and_per_row_global_scales(per, device):
-    """Checkpoints quantize each expert (and gate / up) with its own global: [E, 1] or [E, N]."""
+def test_per_expert_and_per_row_global_scales(per, interleaved, device):
+    """Checkpoints quantize each expert (and gate / up) with its own global: [E, 1] or [E, N].
+    Per row, gate and up rows get different globals, so a row-indexing bug shows."""
     case = Case(6, 4, 2, 64, 32, "")
     g = torch.Generator().manual_seed(9)
     x = torch.randn(case.T, case.H, generator=g).to(device=device, dtype=torch.bfloat16)
-    mags = torch.tensor([0.5, 1.0, 4.0, 0.25]).reshape(4, 1, 1)
-    parts13 = [fp4moe.quantize(torch.randn(2 * case.I, case.H, generator=g) * mags[e]) for e in range(4)]
-    parts2 = [fp4moe.quantize(torch.randn(case.H, case.I, generator=g) * mags[e]) for e in range(4)]
-
-    def stack(parts, n):
-        gs = torch.stack([p.global_scale.reshape(1) for p in parts])  # [E, 1]
-        if per == "row":
-            gs = gs.expand(4, n).contiguous()
-        return fp4moe.FP4Tensor(torch.stack([p.data for p in parts]), torch.stack([p.scales for p in parts]), gs,
-                                torch.Size((4, n, parts[0].shape[1])), "nvfp4").to(device)
-
-    w13, w2 = stack(parts13, 2 * case.I), stack(parts2, case.H)
+    mags = torch.tensor([0.5, 1.0, 4.0, 0.25])
+    w13 = fp4moe.quantize_stacked(torch.randn(4, 2 * case.I, case.H, generator=g) * mags.reshape(4, 1, 1))
+    w2 = fp4moe.quantize_stacked(torch.randn(4, case.H, case.I, generator=g) * mags.reshape(4, 1, 1))
+    if per == "row":
+        row_factor = torch.linspace(0.25, 4.0, 2 * case.I).reshape(1, 2 * case.I)  # gate rows != up rows
+        w13 = fp4moe.FP4Tensor(w13.data, w13.scales, (w13.global_scale * row_factor).contiguous(), w13.shape, "nvfp4")
+    w13, w2 = w13.to(device), w2.to(device)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(case.T)]).to(device=device, dtype=torch.int32)
     wts = torch.rand(case.T, 2, generator=g).to(device)
-    assert_close(fp4_moe_experts(x, w13, w2, ids, wts, configs=SMALL), fp4_moe_reference(x, w13, w2, ids, wts))
+    kw = dict(interleaved=interleaved)
+    assert_close(fp4_moe_experts(x, w13, w2, ids, wts, configs=SMALL, **kw), fp4_moe_reference(x, w13, w2, ids, wts, **kw))
+
+
+def test_bias_and_shared_shapes_are_checked(device):
+    x, w13, w2, ids, wts, _, _ = _problem(Case(3, 4, 2, 64, 32, ""), "nvfp4", device)
+    with pytest.raises(ValueError, match=r"w13_bias: expected shape \(4, 64\)"):
+        fp4_moe_experts(x, w13, w2, ids, wts, w13_bias=torch.zeros(64, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"shared_out: expected shape \(3, 64\)"):
+        fp4_moe_experts(x, w13, w2, ids, wts, shared_out=x[:2])

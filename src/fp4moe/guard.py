@@ -72,6 +72,8 @@ TOLERANCES: dict[str, Tolerance] = {
 
 _lock = threading.Lock()
 _checked: dict[GuardKey, bool] = {}  # key -> passed
+_failures: dict[GuardKey, str] = {}  # key -> what was wrong
+_warned_capture: set[GuardKey] = set()
 
 
 def mode() -> str:
@@ -94,21 +96,34 @@ def should_check(key: GuardKey) -> bool:
     if mode() == "off" or key in _checked:
         return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False  # no host synchronisation inside a CUDA graph capture
+        # no host synchronisation inside a CUDA graph capture: the kernel goes into the graph unchecked
+        if key not in _warned_capture:
+            _warned_capture.add(key)
+            warnings.warn(f"fp4moe guard: kernel {key.kernel} with configuration {key.config} is first used "
+                          "inside a CUDA graph capture and cannot be checked there; make one eager call before "
+                          "capturing", RuntimeWarning, stacklevel=3)
+        return False
     if torch.compiler.is_compiling():
         return False
     return True
 
 
 def use_reference(key: GuardKey) -> bool:
-    """True when the key failed its check in 'warn' mode: callers run the torch reference instead."""
-    return _checked.get(key) is False
+    """True when the key failed its check and the guard is in 'warn' mode: callers run the torch
+    reference instead. In 'raise' mode a key that failed raises again on every use."""
+    if _checked.get(key) is not False:
+        return False
+    if mode() == "warn":
+        return True
+    raise GuardError(_failures.get(key, f"fp4moe guard: kernel {key.kernel} with configuration {key.config} failed"))
 
 
 def reset() -> None:
     """Forget every result (tests)."""
     with _lock:
         _checked.clear()
+        _failures.clear()
+        _warned_capture.clear()
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> str | None:
@@ -146,6 +161,8 @@ def check(key: GuardKey, probe: Callable[[], tuple[torch.Tensor, torch.Tensor]],
         return True
     message = (f"fp4moe guard: kernel {key.kernel} with configuration {key.config} on {key.device}: {problem}. "
                f"Set FP4MOE_GUARD=warn to fall back to the torch reference, or pin another configuration.")
+    with _lock:
+        _failures[key] = message
     if mode() == "warn":
         warnings.warn(message + " Falling back to the torch reference.", RuntimeWarning, stacklevel=3)
         return False

@@ -40,6 +40,16 @@ class FP4Linear(nn.Module):
         self.register_buffer("input_scale", None)  # W4A4 static activation global scale, optional
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
+    def _apply(self, fn, recurse=True):
+        """``.to(dtype)`` / ``.half()`` must not touch the FP4 buffers: keep their dtypes, follow the device."""
+        kept = {name: buf for name, buf in self._buffers.items() if buf is not None}
+        super()._apply(fn, recurse)
+        for name, old in kept.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
     @property
     def weight_fp4(self) -> FP4Tensor:
         return FP4Tensor(data=self.weight, scales=self.weight_scale, global_scale=self.weight_scale_2,

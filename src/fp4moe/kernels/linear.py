@@ -61,8 +61,9 @@ def fp4_linear_kernel(
     offs_kx = tl.arange(0, BLOCK_K // 16)  # activation scales along K (NVFP4)
     offs_k = tl.arange(0, BLOCK_K)
 
-    w_rows = w_ptr + offs_n[:, None] * stride_wn
-    ws_rows = ws_ptr + offs_n[:, None] * stride_wsn
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    ws_rows = ws_ptr + offs_n[:, None].to(tl.int64) * stride_wsn
+    rows_m = offs_m.to(tl.int64)  # M x N or M x K can pass 2**31 elements at long prefill
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -73,7 +74,7 @@ def fp4_linear_kernel(
         ws = tl.load(ws_rows + kw[None, :], mask=n_mask[:, None] & (kw[None, :] < k_end // GROUP), other=0)
         if ACT == 0:
             kk = k0 + offs_k
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None],
+            xt = tl.load(x_ptr + rows_m[None, :] * stride_xm + kk[:, None],
                          mask=m_mask[None, :] & (kk[:, None] < k_end), other=0.0)  # [BLOCK_K, BLOCK_M]
             xt = xt.to(COMPUTE_DTYPE)
             if FAST_DECODE:
@@ -83,9 +84,9 @@ def fp4_linear_kernel(
             acc = tl.dot(wd, xt, acc)
         else:
             kx = k0 // 16 + offs_kx
-            xq = tl.load(x_ptr + offs_m[:, None] * stride_xm + kb[None, :],
+            xq = tl.load(x_ptr + rows_m[:, None] * stride_xm + kb[None, :],
                          mask=m_mask[:, None] & (kb[None, :] < k_end // 2), other=0)  # [BLOCK_M, BLOCK_K/2]
-            xs = tl.load(xs_ptr + offs_m[:, None] * stride_xsm + kx[None, :],
+            xs = tl.load(xs_ptr + rows_m[:, None] * stride_xsm + kx[None, :],
                          mask=m_mask[:, None] & (kx[None, :] < k_end // 16), other=0)  # [BLOCK_M, BLOCK_K/16]
             if ACT == 1:
                 if FAST_DECODE:
@@ -119,10 +120,10 @@ def fp4_linear_kernel(
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             acc = acc + bias[:, None]
-        y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        y = y_ptr + rows_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        part = y_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None]
+        part = y_ptr + (pid_k * M + rows_m[None, :]) * N + offs_n[:, None]
         tl.store(part, acc, mask=mask)
 
 
@@ -141,7 +142,7 @@ def splitk_reduce_kernel(
     mask = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -201,10 +201,10 @@ def moe_gemm_kernel(
 @triton.jit
 def moe_combine_kernel(
     y_pair_ptr,  # [T * TOP_K, H] per-pair outputs (routing weight applied), row t * TOP_K + slot
-    ids_ptr,  # [T, TOP_K] int32 expert ids; -1 marks a dropped slot (never computed, skipped here)
+    ids_ptr,  # [T, TOP_K] int32 expert ids; ids outside [0, E) are dropped slots (never computed, skipped)
     shared_ptr,  # [T, H] shared-expert output (HAS_SHARED) or unused
     out_ptr,  # [T, H]
-    H, stride_pm, stride_sm, stride_om,
+    H, E, stride_pm, stride_sm, stride_om,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
 ):
     """Grid (T, cdiv(H, BLOCK_H)). One program sums the TOP_K rows of one token in slot order
@@ -214,7 +214,8 @@ def moe_combine_kernel(
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for s in tl.static_range(TOP_K):
-        kept = tl.load(ids_ptr + t * TOP_K + s) >= 0
+        e = tl.load(ids_ptr + t * TOP_K + s)
+        kept = (e >= 0) & (e < E)
         acc += tl.load(y_pair_ptr + (t * TOP_K + s).to(tl.int64) * stride_pm + cols, mask=mask & kept,
                        other=0.0).to(tl.float32)
     if HAS_SHARED:

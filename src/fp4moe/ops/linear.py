@@ -187,6 +187,11 @@ def _check_inputs(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode
         raise ValueError(f"x: expected last dimension K={w.shape[1]} (from w {tuple(w.shape)}), got {tuple(x.shape)}")
     if mode == "w4a4" and w.fmt is not NVFP4:
         raise ValueError(f"w: mode 'w4a4' needs NVFP4 weights, got {w.fmt}")
+    if w.global_scale is not None and w.global_scale.numel() != 1:
+        raise ValueError(f"w: fp4_linear takes one global scale per weight, got shape "
+                         f"{tuple(w.global_scale.shape)} (per-row globals are for stacked expert weights)")
+    if w.data.stride(-1) != 1 or w.scales.stride(-1) != 1:
+        raise ValueError("w: packed data and scales must be contiguous along K (call .contiguous())")
     if x.device != w.device:
         raise ValueError(f"x and w: expected the same device, got x on {x.device} and w on {w.device}")
     if x.device.type == "cpu" and not interpreting():

@@ -80,8 +80,8 @@ def _weight_globals(w: FP4Tensor) -> tuple[torch.Tensor | None, int]:
     if g.numel() == 1:
         return g.reshape(1).expand(E).contiguous(), 1
     if g.shape[-1] == 1:
-        return g.reshape(E).contiguous(), 1
-    return g.reshape(E, N).contiguous(), 2
+        return g.reshape(-1).expand(E).contiguous(), 1
+    return g.reshape(-1, N).expand(E, N).contiguous(), 2
 
 
 def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor,
@@ -127,7 +127,8 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
 
 
 def launch_combine(y_pair: torch.Tensor, topk_ids: torch.Tensor, top_k: int, shared: torch.Tensor | None,
-                   out: torch.Tensor) -> torch.Tensor:
+                   out: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """out[t] = sum over kept slots s (expert id in [0, E)) of y_pair[t*k + s], in slot order, + shared[t]."""
     import triton
 
     from ..kernels.moe import moe_combine_kernel
@@ -135,7 +136,7 @@ def launch_combine(y_pair: torch.Tensor, topk_ids: torch.Tensor, top_k: int, sha
     T, H = out.shape
     block = 1024 if H >= 1024 else triton.next_power_of_2(H)
     moe_combine_kernel[(T, triton.cdiv(H, block))](
-        y_pair, topk_ids, shared if shared is not None else y_pair, out, H, y_pair.stride(0),
+        y_pair, topk_ids, shared if shared is not None else y_pair, out, H, n_experts, y_pair.stride(0),
         shared.stride(0) if shared is not None else 0, out.stride(0),
         TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4)
     return out
@@ -168,7 +169,23 @@ def check_moe_inputs(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: t
     for name, t in (("w13", w13.data), ("w2", w2.data), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.data.stride(-1) != 1 or t.scales.stride(-1) != 1:
+            raise ValueError(f"{name}: packed data and scales must be contiguous along K (call .contiguous())")
     return E, I, H, topk_ids.shape[1]
+
+
+def check_moe_extras(x: torch.Tensor, E: int, I: int, H: int, w13_bias: torch.Tensor | None,
+                     w2_bias: torch.Tensor | None, shared_out: torch.Tensor | None) -> None:
+    """Shapes and devices of the optional inputs (biases, shared-expert output)."""
+    for name, t, shape in (("w13_bias", w13_bias, (E, 2 * I)), ("w2_bias", w2_bias, (E, H)),
+                           ("shared_out", shared_out, (x.shape[0], H))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
 
 
 def _act_code(mode: str, w: FP4Tensor, device: torch.device) -> int:
@@ -204,9 +221,13 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
     and the SwiGLU output is re-quantized before the second GEMM.
     """
     E, I, H, k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    check_moe_extras(x, E, I, H, w13_bias, w2_bias, shared_out)
     if activation not in _SWIGLU:
         raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
     act = _act_code(mode, w13, x.device)
+    topk_ids = topk_ids.to(torch.int32).contiguous()
+    w13_bias = None if w13_bias is None else w13_bias.contiguous()
+    w2_bias = None if w2_bias is None else w2_bias.contiguous()
     T = x.shape[0]
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0:
@@ -220,10 +241,14 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
         raise ValueError(f"configs: both GEMMs must share block_m (one dispatch plan), got {g1.block_m} and {g2.block_m}")
     x = x.contiguous()
     layout = "interleaved" if interleaved else "gate_up"
-    key = guard.GuardKey(kernel=f"fp4_moe[{w13.fmt},{mode},{activation},{layout}]", config=f"{g1}|{g2}",
-                         device=guard.device_name(x.device))
+    wg_mode = _weight_globals(w13)[1]
+    has_bias = w13_bias is not None or w2_bias is not None
+    variant = f"{w13.fmt},{mode},{activation},{layout},{str(x.dtype).replace('torch.', '')},wg{wg_mode}" + \
+        (",bias" if has_bias else "")
+    key = guard.GuardKey(kernel=f"fp4_moe[{variant}]", config=f"{g1}|{g2}", device=guard.device_name(x.device))
     if guard.should_check(key):
-        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, mode, (g1, g2)),
+        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, mode, (g1, g2),
+                                        per_row=wg_mode == 2, bias=has_bias),
                     tolerance="fp4_moe" if mode == "w4a16" else "fp4_moe_w4a4")
     if guard.use_reference(key):
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
@@ -241,7 +266,9 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
     I = w2.shape[2]
     g1, g2 = configs
     x_in = _quantize_rows(x, input_global_scale) if act else x
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    # W4A4 re-quantizes all T*k rows of h with one global scale (amax over every row): rows of dropped
+    # slots are never written by GEMM 1, so they must hold zeros
+    h = (torch.zeros if act else torch.empty)((T * k, I), dtype=x.dtype, device=x.device)
     launch_moe_gemm(x_in, w13, plan, h, g1, swiglu=_SWIGLU[activation], interleaved=interleaved, gather=True,
                     scatter=False, row_weight=None, bias=w13_bias, act=act)
     h_in = _quantize_rows(h, None) if act else h
@@ -249,24 +276,33 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
     row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
     launch_moe_gemm(h_in, w2, plan, y_pair, g2, swiglu=0, interleaved=False, gather=False, scatter=True,
                     row_weight=row_w, bias=w2_bias, act=act)
-    return launch_combine(y_pair, topk_ids, k, shared_out, out)
+    return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
 
 
-def _probe(device, dtype, fmt, activation, interleaved, mode, configs):
-    """A small layer through the same launches and configurations, and its reference."""
-    from ..quantize import quantize
+def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False):
+    """A small layer through the same launches, configurations and variant (dtype, per-row globals,
+    biases, one dropped slot), and its reference."""
+    from ..quantize import quantize, quantize_stacked
 
     g = torch.Generator().manual_seed(4321)
     T, E, k, H, I = 7, 5, 2, 128, 64
     x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
-    w13 = quantize(torch.randn(E, 2 * I, H, generator=g), fmt).to(device)
+    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
+    if per_row and w13.global_scale is not None:  # gate and up rows with their own globals
+        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
+        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
+    w13 = w13.to(device)
     w2 = quantize(torch.randn(E, H, I, generator=g), fmt).to(device)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device=device, dtype=torch.int32)
-    wts = torch.rand(T, k, generator=g).to(device)
+    ids[3, 1] = -1  # a dropped slot (OEA)
+    wts = torch.rand(T, k, generator=g).to(device) * (ids >= 0)
+    b13 = torch.randn(E, 2 * I, generator=g).to(device=device, dtype=dtype) if bias else None
+    b2 = torch.randn(E, H, generator=g).to(device=device, dtype=dtype) if bias else None
     plan = dispatch(ids, E, configs[0].block_m)
-    out = _run(x, w13, w2, ids, wts, plan, configs, k, _act_code(mode, w13, device), activation, interleaved, None, None,
+    out = _run(x, w13, w2, ids, wts, plan, configs, k, _act_code(mode, w13, device), activation, interleaved, b13, b2,
                None, None, torch.empty((T, H), dtype=dtype, device=device))
-    return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved, mode=mode)
+    return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved, mode=mode,
+                                  w13_bias=b13, w2_bias=b2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,28 +346,30 @@ def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: 
     if mode == "w4a4":
         xf = dequantize(quantize(x, "nvfp4", input_global_scale), torch.float32)
     T = x.shape[0]
+    kept = (topk_ids >= 0) & (topk_ids < E)  # other ids are dropped slots (OEA marks them -1)
     hs = []
     for s in range(k):
-        ids = topk_ids[:, s].long().clamp(min=0)  # dropped slots (-1) are masked out below
+        ids = torch.where(kept[:, s], topk_ids[:, s], 0).long()
         g = torch.einsum("th,tih->ti", xf, gate_w[ids])
         u = torch.einsum("th,tih->ti", xf, up_w[ids])
         if gate_b is not None:
             g = g + gate_b[ids].float()
             u = u + up_b[ids].float()
-        hs.append(_activate(g, u, activation).to(x.dtype))
+        h = _activate(g, u, activation).to(x.dtype)
+        hs.append(torch.where(kept[:, s, None], h, torch.zeros_like(h)))  # dropped slots: zero rows
     h_all = torch.stack(hs, 1).reshape(T * k, I)  # pair order t * k + s
     if mode == "w4a4":
         h_all = dequantize(quantize(h_all, "nvfp4"), x.dtype)
     h_all = h_all.to(torch.float32).reshape(T, k, I)
     acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     for s in range(k):
-        ids = topk_ids[:, s].long().clamp(min=0)
+        ids = torch.where(kept[:, s], topk_ids[:, s], 0).long()
         h = h_all[:, s]
         y = torch.einsum("ti,thi->th", h, W2[ids])
         if w2_bias is not None:
             y = y + w2_bias[ids].float()
         y = topk_weights[:, s].to(torch.float32)[:, None] * y
-        acc = acc + torch.where((topk_ids[:, s] >= 0)[:, None], y, torch.zeros_like(y))
+        acc = acc + torch.where(kept[:, s, None], y, torch.zeros_like(y))
     if shared_out is not None:
         acc = acc + shared_out.to(torch.float32)
     return acc.to(x.dtype)
