@@ -61,8 +61,11 @@ def test_plan_glm5_on_rtx_pro_6000_fits_and_uses_fp4_mma(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["target"] == "sm120" and report["gpu"] == "RTX PRO 6000 Blackwell"
-    gemms = [r for r in report["rows"] if r["kernel"] == "fp4_linear"]
+    gemms = [r for r in report["rows"] if r["kernel"] in ("fp4_linear", "fp4_moe_gemm")]
     assert {r["op"] for r in gemms} >= {"experts.w13 (gate+up)", "experts.w2 (down)", "shared.w13", "dense.w2"}
+    grouped = {r["op"]: r for r in gemms if r["kernel"] == "fp4_moe_gemm"}  # the routed experts: grouped GEMMs
+    assert set(grouped) == {"experts.w13 (gate+up)", "experts.w2 (down)"}
+    assert all(r["variant"] == "w4a4_native" and r["count_per_layer"] == 1 for r in grouped.values()), grouped
     for r in report["rows"]:
         assert r["config"] is not None, r
         assert r["proven"] and r["shared_compiled"] <= 101376, r

@@ -20,7 +20,7 @@ from fp4moe.ops.linear import LinearConfig, choose_config, config_smem_bytes, fi
 from fp4moe.plan.cache import CompileCache, default_cache_dir, kernel_source_hash
 from fp4moe.plan.crosscompile import CompileRequest, cross_compile
 from fp4moe.plan.planner import SPILL_LIMIT_BYTES, PlanError, evaluate, legal_config, plan_many, plan_op
-from fp4moe.plan.space import KERNELS, LinearProblem, QuantizeProblem, get_kernel, register
+from fp4moe.plan.space import KERNELS, LinearProblem, MoEGemmProblem, QuantizeProblem, get_kernel, register
 
 SM120_FP4_MMA = "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale"
 
@@ -65,6 +65,10 @@ def _default_problems(arch):
     for M in TOKENS:
         for K in sorted({s.K for s in GLM5_SHAPES}):
             items.append(("nvfp4_quantize", QuantizeProblem(M, K)))
+    for T in (16, 4096):  # the MoE layer's grouped GEMMs at GLM-5 TP1 (tests/test_plan_moe.py has more)
+        for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
+            for mode in ("w4a16", "w4a4"):
+                items.append(("fp4_moe_gemm", MoEGemmProblem(T, 8, 256, N, K, gemm=gemm, mode=mode)))
     assert {k for k, _ in items} == set(KERNELS), "a registered kernel has no default-choice case"
     return items
 

@@ -1,7 +1,8 @@
 """``fp4moe plan``: prove each FP4 GEMM of a model fits the target GPU, on a machine without one.
 
 For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops``: the experts'
-gate+up and down, the shared expert, the dense MLP), the planner picks a configuration, proves
+gate+up and down, planned as the two grouped GEMMs ``fp4_moe_gemm`` over the local experts; the
+shared expert and the dense MLP as ``fp4_linear``), the planner picks a configuration, proves
 it by cross-compiling for the target, and reports shared memory used / allowed with its
 breakdown, registers, MMA instruction, modelled time and fraction of the roofline.
 """
@@ -17,22 +18,60 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["plan_command", "plan_model"]
+__all__ = ["moe_problem", "plan_command", "plan_model"]
+
+
+#: The per-expert rows of ``models.fp4_linear_ops`` that run as the grouped GEMMs of
+#: ``kernels.moe.moe_gemm_kernel``, and which GEMM (1: gate+up with SwiGLU, 2: down) each is.
+_GROUPED = {"experts.w13 (gate+up)": 1, "experts.w2 (down)": 2}
+
+
+def moe_problem(model, tokens: int, gemm: int, *, tp: int = 1, ep: int = 1, fmt: str | None = None,
+                mode: str = "w4a16", arch=None):
+    """The ``MoEGemmProblem`` of one grouped GEMM of ``model``'s MoE layer on one GPU.
+
+    Tensor parallelism splits the expert intermediate I by ``tp``; expert parallelism keeps
+    ``n_experts / ep`` local experts, which receive ``1 / ep`` of the token-expert pairs under
+    uniform routing: the problem holds ``ceil(tokens / ep)`` tokens of ``top_k`` pairs each.
+    Both GEMMs run on one dispatch plan, so block_m is pinned to the runtime's
+    (``ops.moe.choose_moe_configs``) for both: the two planned configurations run together.
+    """
+    from ..arch import get_arch
+    from ..ops.moe import choose_moe_configs
+    from .space import MoEGemmProblem
+
+    H, inter = model.hidden, model.expert_intermediate // tp
+    N, K = (inter, H) if gemm == 1 else (H, inter)
+    T, E = max(1, -(-tokens // ep)), model.n_experts // ep
+    block_m = None
+    if arch is not None:
+        block_m = choose_moe_configs(T, model.routing.top_k, E, H, inter, arch=get_arch(arch), mode=mode)[0].block_m
+    return MoEGemmProblem(T=T, top_k=model.routing.top_k, E=E, N=N, K=K, gemm=gemm, fmt=fmt or model.fmt, mode=mode,
+                          block_m=block_m)
 
 
 def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(1, 16, 64, 4096),
                mode: str = "w4a16", compile: bool = True, jobs: int | None = None):
-    """[(tokens, LinearOp, PlanResult)] for every FP4 GEMM of one layer of ``model`` per token bucket."""
+    """[(tokens, name, LinearOp, PlanResult)] for every FP4 GEMM of one layer of ``model`` per token bucket.
+
+    The routed experts' rows ("experts.w13 (gate+up)", "experts.w2 (down)") are planned as the
+    grouped GEMMs (kernel ``fp4_moe_gemm``, problem ``moe_problem``; one launch per layer each);
+    the shared expert and the dense MLP as ``fp4_linear``."""
     from ..models import fp4_linear_ops
-    from .planner import plan_many
+    from .planner import _resolve, plan_many
     from .space import LinearProblem, QuantizeProblem
 
+    target = _resolve(arch, gpu)[0]
     fmt = model.fmt if mode == "w4a16" else "nvfp4"
     entries, items = [], []
     for t in tokens:
         for op in fp4_linear_ops(model, t, tp=tp, ep=ep):
             entries.append((t, op.name, op))
-            items.append(("fp4_linear", LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
+            if op.name in _GROUPED:  # the routed experts: one grouped GEMM over every local expert
+                items.append(("fp4_moe_gemm", moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt,
+                                                          mode=mode, arch=target)))
+            else:
+                items.append(("fp4_linear", LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
         if mode == "w4a4":  # the activation quantizer runs once per token before the experts
             entries.append((t, "quantize x (NVFP4)", None))
             items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))
@@ -57,7 +96,7 @@ def short_mma(forms: str | None) -> str:
 def _row(t, name, op, r) -> dict:
     v = r.chosen
     out = {"tokens": t, "op": name, "kernel": r.kernel, "variant": r.variant, "problem": str(r.problem),
-           "count_per_layer": op.count if op is not None else 1}
+           "count_per_layer": op.count if op is not None and r.kernel != "fp4_moe_gemm" else 1}
     if v is None:
         out.update(config=None, error="no legal configuration")
         return out
@@ -130,7 +169,11 @@ def plan_command(
     for col in ("tokens", "op", "N×K (M)", "configuration", "shared memory", "regs", "MMA", "µs (model)", "of peak"):
         table.add_column(col, overflow="fold")
     for (t, name, op, r), row in zip(planned, rows):
-        shape = f"{op.N}×{op.K} (M={op.M})" if op is not None else f"{spec.hidden} (M={t})"
+        if r.kernel == "fp4_moe_gemm":
+            p = r.problem
+            shape = f"{p.E}× {p.weight_rows}×{p.K} ({p.pairs} rows)"
+        else:
+            shape = f"{op.N}×{op.K} (M={op.M})" if op is not None else f"{spec.hidden} (M={t})"
         if row.get("error"):
             table.add_row(str(t), name, shape, f"[red]{row['error']}[/red]", "", "", "", "", "")
             continue

@@ -54,7 +54,7 @@ from typing import Literal
 
 from ..arch import Arch
 
-__all__ = ["SmemBreakdown", "SmemTerm", "linear_family", "linear_smem", "quantize_smem"]
+__all__ = ["SmemBreakdown", "SmemTerm", "linear_family", "linear_smem", "moe_smem", "quantize_smem"]
 
 Phase = Literal["mainloop", "epilogue"]
 
@@ -328,3 +328,129 @@ def quantize_smem(block_m: int, block_k: int, num_warps: int) -> SmemBreakdown:
     del num_warps
     return SmemBreakdown((SmemTerm("packed codes to store layout", max(128, block_m * block_k // 2),
                                    source="ttg.convert_layout of the int32 code words before the store"),))
+
+
+# ------------------------------------------------------------------------------------------
+# moe_gemm_kernel
+#
+# The grouped GEMM's main loop looks like the linear kernel's (a weight tile of 2 x BLOCK_N rows
+# for GEMM 1, gate and up in one MMA; BLOCK_N rows for GEMM 2), but the shared memory does not
+# follow ``linear_smem``: the gathered activation rows, the SwiGLU split of the accumulator
+# (reshape / permute / split of [2 BLOCK_N, BLOCK_M]) and GEMM 2's fp32 scattered store lay out
+# differently, and ``linear_smem`` with the same tile misses the compiled size by more than the
+# tolerance (max(5%, 1 KiB)) on 431 of the 864 cc 90 / 120 configurations. So the model is
+# *measured*: every configuration of the planner's grid (block_n 32/64/128 x block_m 16/64/128 x block_k 64/128/256 x warps 4/8 x
+# stages 1/3; on SM100 W4A4 block_n 128 only) cross-compiled with Triton 3.6 for cc 80 (W4A16),
+# 90 (W4A16, W4A4 emulated), 100 (W4A16, W4A4 native) and 120 (W4A16, W4A4 native), both GEMMs,
+# NVFP4 weights and bf16 activations, as the launcher compiles them (``ops.moe.compile_request``).
+# Each entry splits ``metadata.shared`` in two terms:
+#
+# * operand buffers: the explicit shared buffers of the TTGIR (``ttg.local_alloc``: the cp.async
+#   rings of num_stages - 1 weight / activation tiles when pipelined, the MMA's operand staging
+#   when not: wgmma's and the block-scaled mma.sync's operands, tcgen05's both operands);
+# * the rest: layout-conversion scratch of the main loop (scales into the MMA's or the
+#   decoder's layout, FP4 activations into the decoder's) or, when larger, of the epilogue (the
+#   SwiGLU split and the store of bf16 h, GEMM 2's fp32 pair rows: up to the whole
+#   [BLOCK_N, BLOCK_M] fp32 tile), which reuses the main loop's memory.
+#
+# Agreement on the measured grid is exact by construction (0 B); cc 86/87/89 use cc 80's numbers,
+# cc 103 cc 100's and cc 121 cc 120's (the same MMA and pass pipeline). Configurations outside
+# the grid, other targets or paths (W4A4 emulated on SM80) take ``_moe_smem_bound``: an upper
+# bound (on all 1,368 measured configurations never below the compiled size, up to 14x above),
+# so the planner stays safe where nothing was measured. MXFP4 weights (scales per 32 instead of
+# 16) and fp16 activations (the portable decoder) reuse the NVFP4 / bf16 numbers: on a sample of
+# 128 such configurations (every fifth candidate at GLM-5 TP8 prefill, both GEMMs, cc 90 and 120)
+# all within the tolerance and none below the compiled size.
+# Regenerate with a grid sweep (cross_compile over the grid, record compiled.shared and the
+# summed sizes of compiled.smem_buffers) when the kernel changes.
+
+def _moe_measured_src() -> dict[tuple[int, int, int], str]:
+    """The measured table (``moe_smem_measured.json`` beside this file), read once."""
+    global _MOE_MEASURED_SRC_CACHE
+    if _MOE_MEASURED_SRC_CACHE is None:
+        import json
+        from pathlib import Path
+
+        raw = json.loads((Path(__file__).with_name("moe_smem_measured.json")).read_text())["tables"]
+        _MOE_MEASURED_SRC_CACHE = {tuple(int(v) for v in key.split(",")): value for key, value in raw.items()}
+    return _MOE_MEASURED_SRC_CACHE
+
+
+_MOE_MEASURED_SRC_CACHE: dict[tuple[int, int, int], str] | None = None
+
+
+_MOE_MEASURED: dict[tuple[int, int, int], dict[tuple[int, int, int, int, int], tuple[int, int]]] = {}
+
+
+def _moe_measured(cc: int, act: int, gemm: int) -> dict[tuple[int, int, int, int, int], tuple[int, int]]:
+    key = (cc, act, gemm)
+    if key not in _MOE_MEASURED:
+        table = {}
+        for item in _moe_measured_src().get(key, "").split():
+            cfg, sizes = item.split(":")
+            explicit, total = sizes.split("/")
+            table[tuple(int(v) for v in cfg.split("."))] = (int(explicit), int(total))
+        _MOE_MEASURED[key] = table
+    return _MOE_MEASURED[key]
+
+
+def _moe_measured_cc(arch: Arch) -> int | None:
+    """The measured target standing for ``arch``: the same MMA family and Triton pass pipeline."""
+    major = arch.capability[0]
+    return {8: 80, 9: 90, 10: 100, 12: 120}.get(major)
+
+
+def _moe_smem_bound(rows: int, block_m: int, block_k: int, num_stages: int, *, act: int,
+                    group: int) -> SmemBreakdown:
+    """An upper bound where nothing was measured: every operand (weight and activation tiles and
+    their scales) in max(1, num_stages) buffers, the decoded bf16 weight (and, W4A4 emulated,
+    activation) tiles staged whole, and the epilogue converting the whole fp32 accumulator."""
+    w_tile, w_scales = rows * block_k // 2, rows * block_k // group
+    a_tile = block_m * block_k * 2 if act == 0 else block_m * block_k // 2
+    a_scales = block_m * block_k // 16 if act else 0
+    copies = max(1, num_stages)
+    terms = [SmemTerm("weight tile (FP4) and scales, bound", w_tile + w_scales, copies,
+                      source="upper bound: a buffer per stage (not measured for this target)"),
+             SmemTerm("activation tile and scales, bound", a_tile + a_scales, copies,
+                      source="upper bound: a buffer per stage (not measured for this target)")]
+    if act != 2:
+        terms.append(SmemTerm("decoded weight tile (bf16), bound", rows * block_k * 2,
+                              source="upper bound: the decoded tile staged whole"))
+    if act == 1:
+        terms.append(SmemTerm("decoded activation tile (bf16), bound", block_m * block_k * 2,
+                              source="upper bound: the decoded tile staged whole"))
+    terms.append(SmemTerm("accumulator to store layout, bound", rows * block_m * 4, phase="epilogue",
+                          source="upper bound: the whole fp32 accumulator"))
+    return SmemBreakdown(tuple(terms))
+
+
+def moe_smem(block_n: int, block_m: int, block_k: int, num_warps: int, num_stages: int, *, gemm: int, act: int,
+             arch: Arch, group: int = 16, x_dtype: str = "bf16") -> SmemBreakdown:
+    """Shared memory of ``kernels.moe.moe_gemm_kernel``: GEMM ``gemm`` (1 gate+up with SwiGLU, 2
+    down), ``act`` 0 (W4A16), 1 (W4A4 decoded in the kernel) or 2 (W4A4 on native FP4 MMA).
+
+    Measured numbers where the configuration and target were swept (see above), else an upper
+    bound. ``group`` and ``x_dtype`` only matter to the bound (the measured numbers are NVFP4 and
+    bf16)."""
+    if gemm not in (1, 2):
+        raise ValueError(f"moe_smem: gemm: expected 1 or 2, got {gemm!r}")
+    if act not in (0, 1, 2):
+        raise ValueError(f"moe_smem: act: expected 0, 1 or 2, got {act!r}")
+    if x_dtype not in ("bf16", "fp16"):
+        raise ValueError(f"moe_smem: x_dtype: expected 'bf16' or 'fp16', got {x_dtype!r}")
+    rows = 2 * block_n if gemm == 1 else block_n
+    cc = _moe_measured_cc(arch)
+    entry = _moe_measured(cc, act, gemm).get((block_n, block_m, block_k, num_warps, num_stages)) \
+        if cc is not None else None
+    if entry is None:
+        return _moe_smem_bound(rows, block_m, block_k, num_stages, act=act, group=group)
+    explicit, total = entry
+    operands = ("cp.async rings (num_stages - 1 weight / activation tiles)" if num_stages >= 2
+                else "MMA operand staging (ttg.local_alloc)")
+    return SmemBreakdown((
+        SmemTerm("operand buffers", explicit, source=f"{operands}; measured on cc {cc}, Triton 3.6"),
+        SmemTerm("layout conversions / epilogue", total - explicit,
+                 source="ttg.convert_layout scratch of the main loop (scales, FP4 activations) or the epilogue "
+                        f"(SwiGLU split, {'bf16 h' if gemm == 1 else 'fp32 pair rows'}), whichever is larger; "
+                        f"measured on cc {cc}, Triton 3.6"),
+    ))
