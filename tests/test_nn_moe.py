@@ -85,3 +85,13 @@ def test_block_checks_its_parts(device):
 def test_block_with_no_tokens(device):
     block, x = _block(ROUTINGS[1], device, shared=True)
     assert block(x[:0]).shape == (0, 64)
+
+
+def test_mxfp4_scales_outside_the_decodable_range_are_refused(device):
+    """The fast decoder folds 2**100 into E8M0 scales: exponents beyond 2**27 would overflow."""
+    import fp4moe
+
+    w = fp4moe.quantize(torch.randn(32, 64) * 2.0**40, "mxfp4").to(device)
+    with pytest.raises(ValueError, match=r"weight: MXFP4 scale exponents span .* decodes -106..27"):
+        FP4Linear.from_fp4(w)
+    FP4Linear.from_fp4(fp4moe.quantize(torch.randn(32, 64), "mxfp4").to(device))  # ordinary weights are fine

@@ -60,6 +60,9 @@ class FP4Linear(nn.Module):
                  input_scale: torch.Tensor | None = None) -> FP4Linear:
         if not isinstance(weight, FP4Tensor) or len(weight.shape) != 2:
             raise TypeError(f"weight: expected a 2-D FP4Tensor, got {type(weight).__name__}")
+        from .ops._runtime import check_weight_scale_range
+
+        check_weight_scale_range(weight, "weight")
         out_f, in_f = weight.shape
         dtype = bias.dtype if bias is not None else torch.bfloat16
         layer = cls(in_f, out_f, bias=bias is not None, fmt=weight.fmt, mode=mode, dtype=dtype, device=weight.device)
@@ -122,6 +125,10 @@ class FP4MoE(nn.Module):
             raise ValueError("shared_gate_up and shared_down: give both or neither")
         if k0 is not None and not 1 <= k0 <= routing.top_k:
             raise ValueError(f"k0: expected 1..{routing.top_k}, got {k0}")
+        from .ops._runtime import check_weight_scale_range
+
+        check_weight_scale_range(w13, "w13")
+        check_weight_scale_range(w2, "w2")
         self.routing, self.activation, self.interleaved, self.mode, self.k0 = routing, activation, interleaved, mode, k0
         self.register_buffer("router_weight", router_weight.detach())
         self.register_buffer("router_bias", None if router_bias is None else router_bias.detach())

@@ -23,3 +23,26 @@ def mma_dtype(dtype: torch.dtype):
     if interpreting():
         return tl.float32
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+#: E8M0 biased exponents the kernels decode exactly: the fast (inline-PTX, bf16) path folds 2**100
+#: into the scale (exponents 21..154, scales 2**-106..2**27); fp16 activations decode on the portable
+#: path, where e2m1 * scale must stay a normal fp16 (scales 2**-14..2**13, exponents 113..140).
+E8M0_RANGE = {"bf16": (21, 154), "fp16": (113, 140)}
+
+
+def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> None:
+    """Refuse MXFP4 weights whose scales the kernels cannot decode exactly with ``activations``
+    ("bf16" or "fp16"): one host sync, so call it when weights are loaded, not per call. NVFP4's
+    E4M3 scales are always in range."""
+    if w.fmt.scale_kind != "e8m0" or w.scales.numel() == 0:
+        return
+    lo, hi = int(w.scales.min()), int(w.scales.max())
+    for dtype, (a, b) in E8M0_RANGE.items():
+        if dtype != activations:
+            continue
+        if not (a <= lo and hi <= b):
+            raise ValueError(
+                f"{name}: MXFP4 scale exponents span {lo - 127}..{hi - 127} (biased {lo}..{hi}); fp4moe decodes "
+                f"{a - 127}..{b - 127} exactly with {dtype} activations. Rescale the weights (move a power of two "
+                f"into the layer's output) or use NVFP4")
