@@ -17,7 +17,7 @@ Global scales are applied once in the fp32 epilogue.
 import triton
 import triton.language as tl
 
-from .fp4_decode import FAST_FOLD_E4M3, FAST_FOLD_E8M0, decode_fp4_tile, decode_fp4_tile_fast
+from .fp4_decode import decode_fp4_tile, decode_fp4_tile_fast
 
 ACT_BF16 = tl.constexpr(0)
 ACT_FP4_EMULATED = tl.constexpr(1)
@@ -45,6 +45,7 @@ def fp4_linear_kernel(
     # interpreter, whose bf16 dot is wrong in Triton 3.6 (the decoded values are exact in either)
     SPLIT_K: tl.constexpr,
     FAST_DECODE: tl.constexpr,  # decode with inline PTX (compiled CUDA, bf16 operands); else portable Triton
+    FOLD: tl.constexpr,  # power of two to multiply the accumulator by (ops._runtime.fast_fold)
 ):
     """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K); one program computes the tile
     y[m-tile, n-tile] over its share of K. With SPLIT_K > 1 it writes fp32 partial sums (global
@@ -104,13 +105,8 @@ def fp4_linear_kernel(
                 acc = tl.dot_scaled(w, ws_native, "e2m1", tl.trans(xq), xs.to(tl.float8e4nv, bitcast=True),
                                     "e2m1", acc)
 
-    if FAST_DECODE and ACT != 2:
-        if W_E4M3:
-            acc = acc * FAST_FOLD_E4M3
-        else:
-            acc = acc * FAST_FOLD_E8M0
-        if ACT == 1:
-            acc = acc * FAST_FOLD_E4M3
+    if FOLD != 1.0:  # the power of two the fast decoder leaves on its products (launcher: fast_fold)
+        acc = acc * FOLD
     if HAS_WG:
         acc = acc * tl.load(wg_ptr)
     if ACT != 0:

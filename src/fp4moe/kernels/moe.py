@@ -17,7 +17,7 @@ its pair index (t * top_k + slot), so the combine can sum each token's rows in s
 import triton
 import triton.language as tl
 
-from .fp4_decode import FAST_FOLD_E4M3, FAST_FOLD_E8M0, decode_fp4_tile, decode_fp4_tile_fast
+from .fp4_decode import decode_fp4_tile, decode_fp4_tile_fast
 
 
 @triton.jit
@@ -82,6 +82,7 @@ def moe_gemm_kernel(
     SCATTER: tl.constexpr, HAS_RW: tl.constexpr, WG_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr, FAST_DECODE: tl.constexpr,
     ACT: tl.constexpr,  # 0 bf16/fp16 activations; 1 NVFP4 decoded in-kernel; 2 NVFP4 native (dot_scaled)
+    FOLD: tl.constexpr,  # power of two to multiply the accumulator by (ops._runtime.fast_fold)
 ):
     """Grid (cdiv(N_out, BLOCK_N), max_tiles). One program: BLOCK_N output columns of one tile of
     rows of one expert, over all of K. Programs of unused tiles (expert -1) return at once."""
@@ -156,14 +157,7 @@ def moe_gemm_kernel(
         acc_g = acc
         acc_u = acc
 
-    scale = 1.0
-    if FAST_DECODE and ACT != 2:
-        if W_E4M3:
-            scale = FAST_FOLD_E4M3
-        else:
-            scale = FAST_FOLD_E8M0
-        if ACT == 1:
-            scale = scale * FAST_FOLD_E4M3
+    scale = FOLD  # the power of two the fast decoder leaves on its products (launcher: fast_fold)
     if ACT != 0:
         scale = scale * tl.load(xg_ptr)
     if WG_MODE == 1:

@@ -25,6 +25,33 @@ def mma_dtype(dtype: torch.dtype):
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
+def fast_decode(act: int, x_dtype: torch.dtype | str, *, compiled: bool | None = None) -> bool:
+    """Whether a kernel launch decodes FP4 with the inline-PTX decoder (``FAST_DECODE``).
+
+    Only in compiled CUDA code (``compiled``: default, whenever Triton is not interpreting), and
+    only for bf16 operands: W4A16 with bf16 activations (act 0) or W4A4 decoded in the kernel
+    (act 1). Native FP4 MMA (act 2) decodes nothing. The launchers and the compile requests the
+    planner proves both ask this function, so the planner compiles the kernel that runs.
+    """
+    if compiled is None:
+        compiled = not interpreting()
+    if not compiled or act == 2:
+        return False
+    return act == 1 or x_dtype in (torch.bfloat16, "bf16")
+
+
+def fast_fold(act: int, fast: bool, w_e4m3: bool) -> float:
+    """The power of two a kernel multiplies its fp32 accumulator by after the fast decoder, which
+    leaves ``value * scale * 2**-(126 - F)`` on every decoded operand (``kernels.fp4_decode``):
+    the weight's fold, times the activation's when act 1 decodes NVFP4 activations too."""
+    if not fast:
+        return 1.0
+    from ..kernels.fp4_decode import FAST_FOLD_E4M3, FAST_FOLD_E8M0
+
+    fold = FAST_FOLD_E4M3.value if w_e4m3 else FAST_FOLD_E8M0.value
+    return fold * (FAST_FOLD_E4M3.value if act == 1 else 1.0)
+
+
 #: E8M0 biased exponents the kernels decode exactly: the fast (inline-PTX, bf16) path folds 2**100
 #: into the scale (exponents 21..154, scales 2**-106..2**27); fp16 activations decode on the portable
 #: path, where e2m1 * scale must stay a normal fp16 (scales 2**-14..2**13, exponents 113..140).

@@ -19,7 +19,7 @@ from .. import guard
 from ..arch import Arch
 from ..formats import NVFP4, FP4Format, get_format
 from ..quantize import FP4Tensor, dequantize, quantize
-from ._runtime import interpreting, mma_dtype
+from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype
 
 Mode = Literal["w4a16", "w4a4"]
 Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
@@ -249,7 +249,8 @@ def launch_linear(
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
         GROUP=w.block_size, W_E4M3=w.fmt.scale_kind == "e4m3", ACT=act,
         HAS_WG=w.global_scale is not None, HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, SPLIT_K=split,
-        FAST_DECODE=_fast_decode(path, x2.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        FAST_DECODE=fast_decode(act, x2.dtype),
+        FOLD=fast_fold(act, fast_decode(act, x2.dtype), w.fmt.scale_kind == "e4m3"), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
         from ..kernels.linear import splitk_reduce_kernel
@@ -260,11 +261,6 @@ def launch_linear(
             SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
         )
     return out
-
-
-def _fast_decode(path: Path, x_dtype: torch.dtype) -> bool:
-    """The inline-PTX decoder serves bf16 operands in compiled kernels (not the interpreter)."""
-    return not interpreting() and path != "w4a4_native" and (path == "w4a4_emulated" or x_dtype == torch.bfloat16)
 
 
 def _quantize_x(x2: torch.Tensor, input_global_scale: torch.Tensor | None) -> FP4Tensor:
@@ -410,7 +406,8 @@ def compile_request(config: LinearConfig, path: Path, fmt: str | FP4Format, cc: 
         "BLOCK_N": config.block_n, "BLOCK_M": config.block_m, "BLOCK_K": config.block_k,
         "GROUP": fmt.block_size, "W_E4M3": fmt.scale_kind == "e4m3", "ACT": act,
         "HAS_WG": fmt.has_global_scale, "HAS_BIAS": has_bias, "COMPUTE_DTYPE": xt if act == 0 else "bf16",
-        "SPLIT_K": config.split_k, "FAST_DECODE": path != "w4a4_native" and (act == 1 or x_dtype == torch.bfloat16),
+        "SPLIT_K": config.split_k, "FAST_DECODE": fast_decode(act, x_dtype, compiled=True),
+        "FOLD": fast_fold(act, fast_decode(act, x_dtype, compiled=True), fmt.scale_kind == "e4m3"),
     }
     divisible = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "y_ptr", "N", "K", "stride_xm", "stride_wn", "stride_ym",
                  "k_per_split")

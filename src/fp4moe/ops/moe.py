@@ -14,7 +14,7 @@ import torch
 from .. import guard
 from ..quantize import FP4Tensor, dequantize
 from .dispatch import DispatchPlan, dispatch
-from ._runtime import interpreting, mma_dtype
+from ._runtime import fast_decode, fast_fold, mma_dtype
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
@@ -101,12 +101,12 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
     if act == 0:
         x_arg, xs_arg, xg_arg, stride_xsm = x, placeholder, placeholder, 0
         compute = mma_dtype(x.dtype)
-        fast = not interpreting() and x.dtype == torch.bfloat16
+        fast = fast_decode(act, x.dtype)
     else:
         x_arg, xs_arg, xg_arg = x.data, x.scales.view(torch.uint8), x.global_scale
         stride_xsm = xs_arg.stride(0)
         compute = mma_dtype(torch.bfloat16)
-        fast = not interpreting() and act == 1
+        fast = fast_decode(act, torch.bfloat16)
     grid = (triton.cdiv(n_out, cfg.block_n), plan.max_tiles)
     moe_gemm_kernel[grid](
         x_arg, xs_arg, xg_arg, w.data, ws, wg if wg is not None else placeholder,
@@ -121,6 +121,7 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
         W_E4M3=w.fmt.scale_kind == "e4m3", SWIGLU=swiglu, INTERLEAVED=interleaved, GATHER=gather,
         SCATTER=scatter, HAS_RW=row_weight is not None, WG_MODE=wg_mode,
         HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, FAST_DECODE=fast, ACT=act,
+        FOLD=fast_fold(act, fast, w.fmt.scale_kind == "e4m3"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -413,13 +414,14 @@ def moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.
 
 
 def compile_request(cfg: MoEGemmConfig, fmt: str, cc: int, *, swiglu: int, gather: bool, scatter: bool,
-                    out_dtype: str = "bf16", act: int = 0):
-    """Cross-compilation request (``fp4moe.plan.crosscompile``) for one grouped GEMM."""
+                    out_dtype: str = "bf16", act: int = 0, x_dtype: str = "bf16"):
+    """Cross-compilation request (``fp4moe.plan.crosscompile``) for one grouped GEMM, with the
+    constexprs ``launch_moe_gemm`` passes for activations of ``x_dtype`` ("bf16"/"fp16")."""
     from ..formats import get_format
     from ..plan.crosscompile import CompileRequest
 
     f = get_format(fmt)
-    sig = {"x_ptr": "*bf16", "xs_ptr": "*u8", "xg_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
+    sig = {"x_ptr": "*bf16", "xs_ptr": "*u8", "xg_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "wg_ptr": "*fp32", "bias_ptr": f"*{x_dtype}",
            "row_x_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32", "tile_expert_ptr": "*i32",
            "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "out_ptr": f"*{out_dtype}", "N_out": "i32", "K": "i32",
            "I_half": "i32", "stride_xm": "i32", "stride_xsm": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_wse": "i32",
@@ -427,9 +429,10 @@ def compile_request(cfg: MoEGemmConfig, fmt: str, cc: int, *, swiglu: int, gathe
     consts = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP": f.block_size,
               "W_E4M3": f.scale_kind == "e4m3", "SWIGLU": swiglu, "INTERLEAVED": False, "GATHER": gather,
               "SCATTER": scatter, "HAS_RW": scatter, "WG_MODE": int(f.has_global_scale), "HAS_BIAS": False,
-              "COMPUTE_DTYPE": "bf16", "FAST_DECODE": act != 2, "ACT": act}
-    if act:
-        sig["x_ptr"] = "*u8"
+              "COMPUTE_DTYPE": x_dtype if act == 0 else "bf16",
+              "FAST_DECODE": fast_decode(act, x_dtype, compiled=True), "ACT": act,
+              "FOLD": fast_fold(act, fast_decode(act, x_dtype, compiled=True), f.scale_kind == "e4m3")}
+    sig["x_ptr"] = f"*{x_dtype}" if act == 0 else "*u8"
     div = ("x_ptr", "w_ptr", "ws_ptr", "out_ptr", "N_out", "K", "I_half", "stride_xm", "stride_we", "stride_wn",
            "stride_wse", "stride_wsn", "stride_om")
     return CompileRequest(kernel="fp4moe.kernels.moe:moe_gemm_kernel", signature=sig, constexprs=consts, cc=cc,

@@ -684,17 +684,8 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
         act = problem.act_on(arch)
         g1 = problem.gemm == 1
         out_dtype = problem.x_dtype if g1 else "fp32"
-        req = compile_request(config, problem.fmt, arch.sm_version, swiglu=1 if g1 else 0, gather=g1,
-                              scatter=not g1, out_dtype=out_dtype, act=act)
-        if problem.x_dtype == "fp16":  # the launcher: fp16 compute, the portable decoder
-            signature = dict(req.signature)
-            constexprs = dict(req.constexprs, COMPUTE_DTYPE="fp16")
-            if act == 0:
-                signature["x_ptr"] = "*fp16"
-                constexprs["FAST_DECODE"] = False
-            signature["bias_ptr"] = "*fp16"
-            req = dataclasses.replace(req, signature=signature, constexprs=constexprs)
-        return req
+        return compile_request(config, problem.fmt, arch.sm_version, swiglu=1 if g1 else 0, gather=g1,
+                               scatter=not g1, out_dtype=out_dtype, act=act, x_dtype=problem.x_dtype)
 
     def expected_mma(self, problem: MoEGemmProblem, arch: Arch) -> MmaExpectation:
         """As ``fp4_linear``'s: W4A4 on SM100/SM103/SM120/SM121 must issue the native block-scaled
