@@ -500,19 +500,85 @@ def test_a_failure_mid_write_leaves_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no temporary folder left behind
 
 
-def test_refuses_fused_experts_and_models_with_nothing_to_quantize(tmp_path):
-    fused = {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64, dtype=torch.bfloat16),
-             "model.layers.0.mlp.experts.down_proj": torch.zeros(4, 64, 32, dtype=torch.bfloat16),
-             "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}
-    save_model(tmp_path / "fused", {"model_type": "gpt_oss"}, fused)
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' BF16\[4, 64, 32\] holds "
-                                              "fused experts"):
-        write_checkpoint(tmp_path / "fused", tmp_path / "out", progress=False)
+def fuse_experts(tensors: dict[str, torch.Tensor], prefix: str, e: int) -> dict[str, torch.Tensor]:
+    """transformers v5's fused layout of per-expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    t = dict(tensors)
+    p = f"{prefix}.experts"
+    t[f"{p}.gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}.{x}.gate_proj.weight"),
+                                                     t.pop(f"{p}.{x}.up_proj.weight")]) for x in range(e)])
+    t[f"{p}.down_proj"] = torch.stack([t.pop(f"{p}.{x}.down_proj.weight") for x in range(e)])
+    return t
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_experts_write_the_same_checkpoint_as_per_expert_weights(tmp_path, fmt):
+    per_expert = qwen3_moe_tensors()
+    fused = per_expert
+    for layer in range(QWEN3_MOE["num_hidden_layers"]):
+        fused = fuse_experts(fused, f"model.layers.{layer}.mlp", QWEN3_MOE["num_experts"])
+    save_model(tmp_path / "fused", QWEN3_MOE, fused)
+    save_model(tmp_path / "per_expert", QWEN3_MOE, per_expert)
+    a = write_checkpoint(tmp_path / "fused", tmp_path / "a", fmt, progress=False)
+    b = write_checkpoint(tmp_path / "per_expert", tmp_path / "b", fmt, progress=False)
+    assert sorted(a.quantized) == sorted(b.quantized) and a.kept == b.kept
+    assert "model.layers.1.mlp.experts.3.up_proj" in a.quantized
+    got, want = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert all(bits_equal(got[k], want[k]) for k in want)
+    with Checkpoint(tmp_path / "a") as ckpt:
+        ex = ckpt.experts("model.layers.1.mlp")
+        w = fused["model.layers.1.mlp.experts.gate_up_proj"]
+        i = QWEN3_MOE["moe_intermediate_size"]
+        for x in range(QWEN3_MOE["num_experts"]):  # each slice quantized on its own, read back bit for bit
+            gate = dequantize(writer_reference(w[x, :i]), torch.float32)
+            up = dequantize(writer_reference(w[x, i:]), torch.float32)
+            assert torch.equal(dequantize(ex.w13, torch.float32)[x], torch.cat([gate, up]))
+
+
+def test_gpt_oss_fused_experts_are_transposed_and_interleaved(tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    e, h, i = 3, 64, 32
+    p = "model.layers.0.mlp.experts"
+    gate_up, down = _rand(gen, e, h, 2 * i), _rand(gen, e, i, h)  # x @ W: [E, H, 2I] and [E, I, H]
+    bias_gu, bias_d = _rand(gen, e, 2 * i), _rand(gen, e, h)
+    tensors = {f"{p}.gate_up_proj": gate_up, f"{p}.down_proj": down, f"{p}.gate_up_proj_bias": bias_gu,
+               f"{p}.down_proj_bias": bias_d, "model.layers.0.mlp.router.weight": _rand(gen, e, h),
+               "model.layers.0.self_attn.q_proj.weight": _rand(gen, h, h)}
+    save_model(tmp_path / "g", {"model_type": "gpt_oss", "hidden_size": h}, tensors)
+    write_checkpoint(tmp_path / "g", tmp_path / "q", "modelopt", progress=False)
+    with Checkpoint(tmp_path / "q") as ckpt:
+        ex = ckpt.experts("model.layers.0.mlp")
+        assert ex.layout == "gate_up" and ex.w13.shape == (e, 2 * i, h) and ex.w2.shape == (e, h, i)
+        w13, w2 = dequantize(ex.w13, torch.float32), dequantize(ex.w2, torch.float32)
+        for x in range(e):
+            gate, up = gate_up[x].t()[0::2], gate_up[x].t()[1::2]  # gate on even columns
+            assert torch.equal(w13[x, :i], dequantize(writer_reference(gate.contiguous()), torch.float32))
+            assert torch.equal(w13[x, i:], dequantize(writer_reference(up.contiguous()), torch.float32))
+            assert torch.equal(w2[x], dequantize(writer_reference(down[x].t().contiguous()), torch.float32))
+        assert bits_equal(ex.w13_bias, torch.cat([bias_gu[:, 0::2], bias_gu[:, 1::2]], dim=1))
+        assert bits_equal(ex.w2_bias, bias_d)
+
+
+def test_refuses_bad_fused_experts_and_models_with_nothing_to_quantize(tmp_path):
+    bad = {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64, dtype=torch.bfloat16),
+           "model.layers.0.mlp.experts.down_proj": torch.zeros(4, 32, 64, dtype=torch.bfloat16),
+           "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    save_model(tmp_path / "bad", {"model_type": "qwen3_moe"}, bad)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj': expected "
+                                              r"BF16\[4, 64, 32\] next to gate_up_proj BF16\[4, 64, 64\] "
+                                              r"\(the transformers v5 default.*found BF16\[4, 32, 64\]"):
+        write_checkpoint(tmp_path / "bad", tmp_path / "out", progress=False)
+    unknown = {"model.layers.0.mlp.experts.w13_weight": torch.zeros(4, 64, 64, dtype=torch.bfloat16),
+               "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}
+    save_model(tmp_path / "unknown", {"model_type": "x"}, unknown)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.w13_weight' BF16\[4, 64, 64\] "
+                                              "holds fused experts under a name the writer does not know"):
+        write_checkpoint(tmp_path / "unknown", tmp_path / "out", progress=False)
     save_model(tmp_path / "none", {"model_type": "x"}, {"model.embed_tokens.weight": torch.zeros(8, 16),
                                                          "lm_head.weight": torch.zeros(8, 16)})
     with pytest.raises(CheckpointError, match="no tensor to quantize .*kept: embedding, lm_head"):
         write_checkpoint(tmp_path / "none", tmp_path / "out", progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fused", "none"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "none", "unknown"]
 
 
 def test_refuses_to_quantize_a_quantized_checkpoint(tmp_path):

@@ -13,6 +13,11 @@ round-trip, so that both formats read back to the same FP4Tensor bit for bit). N
 scales are written (there is no calibration): the checkpoints are weight-only NVFP4, labelled
 ``W4A16_NVFP4`` (ModelOpt) and ``input_activations: null`` (compressed-tensors), which W4A4
 kernels run with dynamic activation global scales.
+
+Fused experts (transformers v5: ``experts.gate_up_proj`` / ``down_proj``, 3-D, optional biases)
+are split into one linear per expert and projection, as ModelOpt and compressed-tensors store
+experts (``fp4moe.checkpoints.fused``); each slice is quantized like any other linear, so the
+result equals, bit for bit, the checkpoint of the same model saved with per-expert weights.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import torch
 
 from ..quantize import quantize
 from .errors import CheckpointError
-from .policy import match_exclude, module_of, quantize_decision
+from .fused import FUSED_NAMES, FusedLayout, check_fused, fused_layout, split_fused
+from .policy import BLOCK_K, match_exclude, module_of, quantize_decision
 from .reader import Checkpoint
 from .safetensors_io import (
     INDEX_NAME,
@@ -72,11 +78,13 @@ class WriteReport:
 
 @dataclass(frozen=True)
 class _Group:
-    """One source tensor and the output tensors it becomes (three when quantized, else itself)."""
+    """One source tensor and the output tensors it becomes: three when quantized, itself when
+    copied; for fused experts (``fused`` set) three per expert and projection, or one bias each."""
 
     source: TensorInfo
     outputs: tuple[TensorSpec, ...]
     quantized: bool
+    fused: FusedLayout | None = None
 
     @property
     def nbytes(self) -> int:
@@ -113,22 +121,77 @@ def _quantized_outputs(module: str, n: int, k: int, fmt: WriteFormat) -> tuple[T
             TensorSpec(f"{module}.weight_global_scale", "F32", (1,)))
 
 
+_FUSED_ROLES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+                "gate_up_proj_bias": ("gate_proj", "up_proj"), "down_proj_bias": ("down_proj",)}
+
+
+def _fused_modules(src: Checkpoint) -> dict[str, dict[str, TensorInfo]]:
+    """``<layer>.experts`` modules holding transformers-v5 fused expert tensors (suffix -> header)."""
+    fused: dict[str, dict[str, TensorInfo]] = {}
+    for name in src.tensor_names():
+        info = src.info(name)
+        module, leaf = module_of(name), name.rsplit(".", 1)[-1]
+        if module.endswith(".experts") and leaf in FUSED_NAMES and info.dtype in ("BF16", "F16", "F32"):
+            fused.setdefault(module, {})[leaf] = info
+        elif len(info.shape) == 3 and module.endswith(".experts") and info.dtype in ("BF16", "F16", "F32"):
+            raise CheckpointError(f"{info.file}: tensor {name!r} {info.describe()} holds fused experts under a name "
+                                  f"the writer does not know; it reads {', '.join(FUSED_NAMES)} (transformers v5) "
+                                  "or per-expert Linear weights (experts.<e>.gate_proj.weight, up_proj, down_proj)")
+    return fused
+
+
+def _fused_groups(module: str, tensors: dict[str, TensorInfo], layout: FusedLayout, fmt: WriteFormat,
+                  model_type: str | None) -> list[_Group]:
+    """The per-expert linears a fused experts module becomes (see ``fp4moe.checkpoints.fused``)."""
+    e, i, h = check_fused(module, tensors, layout, model_type)
+    groups = []
+    for suffix in FUSED_NAMES:
+        info = tensors.get(suffix)
+        if info is None:
+            continue
+        roles = _FUSED_ROLES[suffix]
+        if suffix.endswith("_bias"):
+            n = i if suffix.startswith("gate_up") else h
+            outputs = tuple(TensorSpec(f"{module}.{x}.{role}.bias", info.dtype, (n,)) for x in range(e) for role in roles)
+        else:
+            n, k = (i, h) if suffix == "gate_up_proj" else (h, i)
+            outputs = tuple(o for x in range(e) for role in roles
+                            for o in _quantized_outputs(f"{module}.{x}.{role}", n, k, fmt))
+        groups.append(_Group(info, outputs, not suffix.endswith("_bias"), fused=layout))
+    return groups
+
+
 def _plan(src: Checkpoint, fmt: WriteFormat, exclude: Sequence[str]) -> tuple[list[_Group], dict[str, str]]:
     groups, kept = [], {}
+    model_type = src.config.get("model_type")
+    fused = _fused_modules(src)
+    planned_fused: set[str] = set()
     for name in sorted(src.tensor_names(), key=natural_key):
         info = src.info(name)
-        if len(info.shape) == 3 and module_of(name).endswith(".experts") and info.dtype in ("BF16", "F16", "F32"):
-            raise CheckpointError(f"{info.file}: tensor {name!r} {info.describe()} holds fused experts, which the "
-                                  "writer does not quantize yet; it reads per-expert Linear weights "
-                                  "(experts.<e>.gate_proj.weight, up_proj, down_proj)")
+        module = module_of(name)
+        if module in fused:
+            pattern = match_exclude(exclude, module)
+            tensors = fused[module]
+            _, i, h = check_fused(module, tensors, fused_layout(model_type), model_type)
+            why = (f"excluded by {pattern!r}" if pattern is not None else
+                   f"K={h if i % BLOCK_K == 0 else i} is not a multiple of {BLOCK_K}" if h % BLOCK_K or i % BLOCK_K
+                   else None)
+            if why is None:
+                if module not in planned_fused:
+                    planned_fused.add(module)
+                    groups += _fused_groups(module, tensors, fused_layout(model_type), fmt, model_type)
+                continue
+            kept[module] = why  # both projections stay fused and unquantized
+            groups.append(_Group(info, (TensorSpec(info.name, info.dtype, info.shape),), False))
+            continue
         decision = quantize_decision(name, info.dtype, info.shape, exclude)
         if decision.quantize:
             n, k = info.shape
-            groups.append(_Group(info, _quantized_outputs(module_of(name), n, k, fmt), True))
+            groups.append(_Group(info, _quantized_outputs(module, n, k, fmt), True))
         else:
             groups.append(_Group(info, (TensorSpec(info.name, info.dtype, info.shape),), False))
             if name.endswith(".weight") and len(info.shape) == 2:
-                kept[module_of(name)] = decision.reason
+                kept[module] = decision.reason
     return groups, kept
 
 
@@ -166,22 +229,39 @@ def _quantization_configs(fmt: WriteFormat, exclude: Sequence[str], kept: dict[s
              "ignore": explicit, "kv_cache_scheme": None, "global_compression_ratio": None}, None)
 
 
-def _write_group(src: Checkpoint, group: _Group, writer: ShardWriter, fmt: WriteFormat) -> None:
-    tensor = src.tensor(group.source.name)
-    if not group.quantized:
-        writer.write(group.source.name, tensor)
-        return
+def _write_fp4(tensor: torch.Tensor, specs: Sequence[TensorSpec], writer: ShardWriter, fmt: WriteFormat,
+              where: str) -> None:
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
-        raise CheckpointError(f"{group.source.file}: tensor {group.source.name!r} has {int((~finite).sum())} "
-                              "NaN/Inf value(s); refusing to quantize it")
+        raise CheckpointError(f"{where} has {int((~finite).sum())} NaN/Inf value(s); refusing to quantize it")
     gs = checkpoint_global_scale(tensor.abs().amax().to(torch.float32))
     q = quantize(tensor, "nvfp4", global_scale=gs)
-    data_spec, scale_spec, global_spec = group.outputs
+    data_spec, scale_spec, global_spec = specs
     writer.write(data_spec.name, q.data)
     writer.write(scale_spec.name, q.scales)
     stored = gs if fmt == "modelopt" else torch.ones_like(gs) / gs  # compressed-tensors: inverted
     writer.write(global_spec.name, stored.reshape(global_spec.shape))
+
+
+def _write_group(src: Checkpoint, group: _Group, writer: ShardWriter, fmt: WriteFormat) -> None:
+    tensor = src.tensor(group.source.name)
+    where = f"{group.source.file}: tensor {group.source.name!r}"
+    if group.fused is not None:
+        suffix = group.source.name.rsplit(".", 1)[-1]
+        parts = [p for per_expert in split_fused(suffix, tensor, group.fused) for p in per_expert]
+        if not group.quantized:
+            for spec, part in zip(group.outputs, parts, strict=True):
+                writer.write(spec.name, part)
+            return
+        for index, part in enumerate(parts):
+            expert, role = divmod(index, len(_FUSED_ROLES[suffix]))
+            _write_fp4(part, group.outputs[3 * index:3 * index + 3], writer, fmt,
+                       f"{where} (expert {expert}, {_FUSED_ROLES[suffix][role]})")
+        return
+    if not group.quantized:
+        writer.write(group.source.name, tensor)
+        return
+    _write_fp4(tensor, group.outputs, writer, fmt, where)
 
 
 def _check_out_dir(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
@@ -282,7 +362,8 @@ def write_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return WriteReport(out_dir=out_dir, format=format,
-                       quantized=tuple(module_of(g.source.name) for g in groups if g.quantized), kept=kept,
+                       quantized=tuple(module_of(o.name) for g in groups if g.quantized for o in g.outputs[::3]),
+                       kept=kept,
                        shards=tuple(names), bytes_in=sum(g.source.nbytes for g in groups), bytes_out=bytes_out)
 
 
