@@ -9,7 +9,7 @@ from .formats import FP4Format, get_format
 from .ops.linear import Mode, fp4_linear
 from .quantize import FP4Tensor, quantize, quantize_stacked
 
-__all__ = ["FP4Linear", "FP4MoE"]
+__all__ = ["FP4Linear", "FP4MoE", "GatedMLP"]
 
 
 class FP4Linear(nn.Module):
@@ -102,15 +102,19 @@ class FP4MoE(nn.Module):
     Experts are stacked FP4Tensors ``w13`` [E, 2I, H] (gate rows then up rows, or interleaved as
     gpt-oss stores them) and ``w2`` [E, H, I]; the router is a bf16 linear [E, H] (not quantized)
     with an optional selection bias (DeepSeek-V3 / GLM-5 ``e_score_correction_bias``); the
-    optional shared expert is a pair of FP4Linear layers added unweighted. ``k0`` turns on
-    opportunistic expert activation; ``last_stats`` then holds the OEA statistics of the last call.
+    optional shared expert is a pair of FP4Linear layers added unweighted (or ``shared_expert``, any
+    module ``x -> y``, e.g. a :class:`GatedMLP` whose gate and up carry different global scales).
+    ``router_dtype`` is the dtype the router logits are computed in (default: x's; DeepSeek-V3 and
+    GLM compute them in fp32). ``k0`` turns on opportunistic expert activation; ``last_stats``
+    then holds the OEA statistics of the last call.
     """
 
     def __init__(self, router_weight: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, routing, *,
                  router_bias: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None,
                  activation: str = "silu", interleaved: bool = False, w13_bias: torch.Tensor | None = None,
                  w2_bias: torch.Tensor | None = None, shared_gate_up: FP4Linear | None = None,
-                 shared_down: FP4Linear | None = None, mode: Mode = "w4a16", k0: int | None = None):
+                 shared_down: FP4Linear | None = None, shared_expert: nn.Module | None = None,
+                 router_dtype: torch.dtype | None = None, mode: Mode = "w4a16", k0: int | None = None):
         super().__init__()
         from .ops.moe import check_moe_inputs
 
@@ -123,6 +127,10 @@ class FP4MoE(nn.Module):
                          torch.zeros(1, routing.top_k, device=w13.device))
         if (shared_gate_up is None) != (shared_down is None):
             raise ValueError("shared_gate_up and shared_down: give both or neither")
+        if shared_expert is not None and shared_gate_up is not None:
+            raise ValueError("shared_expert: give it or shared_gate_up/shared_down, not both")
+        if router_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"router_dtype: expected None (x's dtype), float32, bfloat16 or float16, got {router_dtype}")
         if k0 is not None and not 1 <= k0 <= routing.top_k:
             raise ValueError(f"k0: expected 1..{routing.top_k}, got {k0}")
         from .ops._runtime import check_weight_scale_range
@@ -137,6 +145,8 @@ class FP4MoE(nn.Module):
         self.register_buffer("w13_bias", w13_bias)
         self.register_buffer("w2_bias", w2_bias)
         self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
+        self.shared_expert = shared_expert
+        self.router_dtype = router_dtype
         self.last_stats = None
 
     def _apply(self, fn, recurse=True):  # keep the FP4Tensors on the module's device
@@ -160,6 +170,8 @@ class FP4MoE(nn.Module):
         return cls(router_weight, q13, q2, routing, shared_gate_up=sgu, shared_down=sd, **kwargs)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is not None:
+            return self.shared_expert(x)
         if self.shared_gate_up is None:
             return None
         gu = self.shared_gate_up(x)
@@ -172,8 +184,9 @@ class FP4MoE(nn.Module):
 
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        logits = torch.nn.functional.linear(x2, self.router_weight.to(x2.dtype),
-                                            None if self.router_bias is None else self.router_bias.to(x2.dtype))
+        rd = self.router_dtype or x2.dtype
+        logits = torch.nn.functional.linear(x2.to(rd), self.router_weight.to(rd),
+                                            None if self.router_bias is None else self.router_bias.to(rd))
         r = route(logits, self.routing, self.selection_bias, k0=self.k0)
         self.last_stats = r.stats
         y = moe_experts(x2, self.w13, self.w2, r.topk_ids, r.topk_weights, activation=self.activation,
@@ -181,3 +194,18 @@ class FP4MoE(nn.Module):
                         shared_out=self.shared(x2), mode=self.mode)
         return y.reshape(*lead, y.shape[-1])
 
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with three linears of any kind (FP4Linear or nn.Linear): a
+    dense MLP or a shared expert whose gate and up are stored as separate linears.
+
+    SiLU and the product run in fp32 and are rounded once to x's dtype, as :meth:`FP4MoE.shared`.
+    """
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(torch.nn.functional.silu(g.float()).mul(u.float()).to(x.dtype))

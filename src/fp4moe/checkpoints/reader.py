@@ -257,6 +257,21 @@ class Checkpoint:
         """Prefixes of the MoE layers (e.g. ``model.layers.1.mlp``) that :meth:`experts` reads."""
         return [p for p, layer in self._moe.items() if layer.quantized]
 
+    def linear_shape(self, name: str) -> tuple[int, int]:
+        """[N, K] of the quantized linear module ``name``, from the headers (nothing is read)."""
+        spec = self._linears.get(name)
+        if spec is None:
+            raise CheckpointError(self._not_quantized(name))
+        return spec.n, spec.k
+
+    def expert_shape(self, layer_prefix: str) -> tuple[int, int, int]:
+        """(E, I, H) of the quantized MoE layer at ``layer_prefix``, from the headers (nothing is read)."""
+        prefix = layer_prefix.removesuffix(".").removesuffix(".experts")
+        layer = self._moe.get(prefix)
+        if layer is None or not layer.quantized:
+            self.experts(prefix)  # raises the message that says why
+        return layer.n_experts, layer.intermediate, layer.hidden
+
     # ------------------------------------------------------------------------------------------
     # reading
 
