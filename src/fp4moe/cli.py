@@ -137,9 +137,24 @@ def demo(
     rows: Annotated[int, typer.Option(min=1, help="Rows of the random matrix.")] = 256,
     cols: Annotated[int, typer.Option(min=32, help="Columns (K); a multiple of 32.")] = 1024,
     seed: int = 0,
+    e2e: Annotated[bool, typer.Option("--e2e", help="End to end instead: build a random MoE model with transformers, "
+                                      "quantize it, load it through fp4moe, generate, compare with bf16.")] = False,
+    family: Annotated[str, typer.Option(help="--e2e: qwen3_moe, deepseek_v3, glm4_moe or gpt_oss.")] = "qwen3_moe",
+    size: Annotated[str, typer.Option(help="--e2e: 'tiny' (CPU, seconds) or 'large' (GPU: hidden 2048, 128 experts "
+                                      "of 768, top-8, 4 layers).")] = "tiny",
+    fmt: Annotated[str, typer.Option("--format", help="--e2e: checkpoint format, modelopt or compressed-tensors.")] = "modelopt",
+    new_tokens: Annotated[int, typer.Option(min=1, help="--e2e: greedy tokens to generate.")] = 8,
+    timing: Annotated[bool, typer.Option("--timing", help="--e2e: also time generate and the MoE layers (bf16 vs "
+                                         "fp4moe); meaningful on a GPU only.")] = False,
+    workdir: Annotated[Optional[str], typer.Option(help="--e2e: keep the bf16 model and checkpoint here "
+                                                   "(default: a temporary folder, removed).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
-    """Quantize a random matrix to NVFP4 and MXFP4 and report the round-trip error (CPU or GPU)."""
+    """Quantize a random matrix to NVFP4 and MXFP4 and report the round-trip error (CPU or GPU);
+    with --e2e, run a random transformers MoE model end to end through fp4moe."""
+    if e2e:
+        _demo_e2e(family, size, fmt, new_tokens, timing, workdir, seed, as_json)
+        return
     import torch
 
     from .quantize import dequantize, quantize
@@ -149,11 +164,11 @@ def demo(
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g)
     results = {}
-    for fmt in ("nvfp4", "mxfp4"):
-        t = quantize(x, fmt)
+    for fmt_name in ("nvfp4", "mxfp4"):
+        t = quantize(x, fmt_name)
         y = dequantize(t, torch.float32)
         rel = ((y - x).norm() / x.norm()).item()
-        results[fmt] = {
+        results[fmt_name] = {
             "shape": [rows, cols],
             "bytes": t.nbytes,
             "bits_per_element": 8 * t.nbytes / x.numel(),
@@ -166,10 +181,82 @@ def demo(
     table = Table(title=f"quantize -> dequantize of a random {rows}x{cols} normal matrix")
     for col in ("format", "bytes", "bits/element", "relative RMS error", "max |error|"):
         table.add_column(col)
-    for fmt, r in results.items():
-        table.add_row(fmt, f"{r['bytes']:,}", f"{r['bits_per_element']:.2f}", f"{r['relative_rms_error']:.4f}",
+    for fmt_name, r in results.items():
+        table.add_row(fmt_name, f"{r['bytes']:,}", f"{r['bits_per_element']:.2f}", f"{r['relative_rms_error']:.4f}",
                       f"{r['max_abs_error']:.4f}")
     console.print(table)
+
+
+def _demo_e2e(family: str, size: str, fmt: str, new_tokens: int, timing: bool, workdir: str | None, seed: int,
+              as_json: bool) -> None:
+    import os
+    import sys
+    import tempfile
+
+    import torch
+
+    from .integrations.transformers import FAMILIES
+
+    if family not in FAMILIES:
+        raise typer.BadParameter(f"expected one of {', '.join(FAMILIES)}, got {family!r}", param_hint="--family")
+    if size not in ("tiny", "large"):
+        raise typer.BadParameter(f"expected tiny or large, got {size!r}", param_hint="--size")
+    if fmt not in ("modelopt", "compressed-tensors"):
+        raise typer.BadParameter(f"expected modelopt or compressed-tensors, got {fmt!r}", param_hint="--format")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally
+    if not torch.cuda.is_available():
+        if size == "large":
+            raise typer.BadParameter("'large' needs a CUDA GPU (the interpreter would take hours); use tiny",
+                                     param_hint="--size")
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            if any(m.startswith("fp4moe.kernels") for m in sys.modules):  # pragma: no cover - defensive
+                raise typer.BadParameter("no GPU: set TRITON_INTERPRET=1 before fp4moe's kernels are imported")
+            os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, i.e. imported next
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise typer.BadParameter("needs transformers>=5.17,<6: pip install 'fp4moe[hf]'", param_hint="--e2e") from None
+    from .integrations.transformers.e2e import run_e2e
+
+    with tempfile.TemporaryDirectory(prefix="fp4moe-e2e-") as tmp:
+        result = run_e2e(family, size, workdir=workdir or tmp, fmt=fmt, seed=seed, new_tokens=new_tokens,
+                         timing=timing)  # type: ignore[arg-type]
+    report = {**result.as_dict(), "versions": versions()}
+    if as_json:
+        _emit_json(report)
+        return
+    r = result
+    console.print(f"[bold]{family}[/bold] ({size}: hidden {r.shapes['hidden']}, {r.shapes['experts']} experts of "
+                  f"{r.shapes['moe_inter']}, top-{r.shapes['top_k']}, {r.shapes['layers']} layers) on {r.device}: "
+                  f"random bf16 model -> {fmt} NVFP4 checkpoint -> transformers model with fp4moe MoE blocks and "
+                  "FP4 linears")
+    table = Table(title="agreement with the bf16 model", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    table.add_row("weights: relative RMS error of FP4", f"{r.weight_error['relative_rms']:.4f}")
+    table.add_row("logits: relative RMS error, fp4moe vs bf16", f"{r.logits_error_vs_bf16:.4f}")
+    table.add_row("  transformers running the FP4 weights, vs bf16", f"{r.logits_error_fake_quant_vs_bf16:.4f}")
+    table.add_row("  fp4moe vs transformers on the same FP4 weights", f"{r.logits_error_vs_fake_quant:.4f}")
+    table.add_row("  predicted from the weight error (x sqrt(GEMMs))", f"{r.predicted_logits_error:.4f} "
+                  f"({r.quantized_gemms_per_token} quantized GEMMs per token)")
+    table.add_row("next-token argmax agreement (prompt positions)", f"{r.top1_agreement:.0%}")
+    table.add_row("greedy tokens, bf16", str(r.generated_bf16))
+    table.add_row("greedy tokens, fp4moe", str(r.generated_fp4moe))
+    table.add_row("greedy token agreement", f"{r.token_agreement:.0%}")
+    console.print(table)
+    if r.timing:
+        t = Table(title="tokens/s (median of 20 after a warm-up)", title_justify="left")
+        for col in ("tokens", "MoE layers", "bf16 ms", "fp4moe ms", "bf16 tok/s", "fp4moe tok/s", "speed-up"):
+            t.add_column(col)
+        for row in r.timing["moe_layers"]:
+            t.add_row(str(row["tokens"]), str(row["moe_layers"]), f"{row['bf16_ms']:.3f}", f"{row['fp4moe_ms']:.3f}",
+                      f"{row['bf16_tokens_per_s']:,.0f}", f"{row['fp4moe_tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x")
+        console.print(t)
+        console.print(f"generate (whole model): bf16 {r.timing['generate_tokens_per_s_bf16']:,.1f} tok/s, fp4moe "
+                      f"{r.timing['generate_tokens_per_s_fp4moe']:,.1f} tok/s")
+    if r.device == "cpu":
+        console.print("[dim]CPU: fp4moe's kernels ran through the Triton interpreter. Random weights give nearly flat "
+                      "logits, so a small error flips argmaxes; the logits error is the measure.[/dim]")
 
 
 def main() -> None:

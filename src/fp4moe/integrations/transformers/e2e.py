@@ -253,6 +253,9 @@ def run_e2e(family: str = "qwen3_moe", size: Size = "tiny", *, workdir: str | Pa
     seconds: dict[str, float] = {}
     t = time.perf_counter()
     model = build_model(family, size, seed=seed, device=device)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar
     model.save_pretrained(workdir / "bf16")
     seconds["build_and_save"] = time.perf_counter() - t
     t = time.perf_counter()
