@@ -191,8 +191,9 @@ def _plan(ckpt: Checkpoint, model: nn.Module, family: MoEFamily) -> _Plan:
 def _linear(ckpt: Checkpoint, name: str, dtype: torch.dtype, *, fp4: bool, mode: Mode) -> nn.Module:
     lw = ckpt.linear(name)
     bias = None if lw.bias is None else lw.bias.to(dtype)
-    if fp4:
-        return FP4Linear.from_fp4(lw.weight, bias, mode=mode)
+    if fp4:  # a W4A4 checkpoint's calibrated activation scale, where the linear runs W4A4
+        return FP4Linear.from_fp4(lw.weight, bias, mode=mode,
+                                  input_scale=lw.input_global_scale if mode == "w4a4" else None)
     out_f, in_f = lw.weight.shape
     layer = nn.Linear(in_f, out_f, bias=bias is not None, dtype=dtype)
     layer.weight = nn.Parameter(dequantize(lw.weight, dtype), requires_grad=False)
