@@ -68,6 +68,7 @@ TOLERANCES: dict[str, Tolerance] = {
                "differs by a few percent RMS. The quantizer itself is bit-exact (tested separately)",
     ),
 }
+TOLERANCES["fp4_linear_mma"] = TOLERANCES["fp4_linear"]  # same numerics, weights in MMA operand order
 
 
 _lock = threading.Lock()

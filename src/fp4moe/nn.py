@@ -48,6 +48,12 @@ class FP4Linear(nn.Module):
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
+        if self.weight.is_cuda and self.mode == "w4a16":
+            # decode-sized calls read the weight in MMA operand order (ops.linear.mma_packed): pack it
+            # now, outside any CUDA graph capture
+            from .ops.linear import mma_packed
+
+            mma_packed(self.weight_fp4)
         return self
 
     @property

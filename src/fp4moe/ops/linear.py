@@ -285,6 +285,10 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     arch = device_arch(x.device)
     path = choose_path(mode, arch)
     sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
+    if config is None and _use_mma_layout(x2, w, path, arch, M):
+        packed = mma_packed(w)
+        if packed is not None:
+            return _forward_mma(x, x2, w, packed, bias, out, M, N, sm_count).reshape(*lead, N)
     cfg = config or choose_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
     key = guard.GuardKey(kernel=f"fp4_linear[{path},{w.fmt},{x.dtype}]".replace("torch.", ""),
                          config=str(cfg), device=guard.device_name(x.device))
@@ -295,6 +299,57 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     xq = _quantize_x(x2, input_global_scale) if path != "w4a16" else None
     launch_linear(x2, xq, w, bias, out, path, cfg)
     return out.reshape(*lead, N)
+
+
+def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor, path: Path, arch: Arch | None, M: int) -> bool:
+    """Decode-sized W4A16 with bf16 activations on compiled CUDA (SM80+, mma.sync) runs the
+    MMA-layout kernel (``ops.mma_layout``); everything else the Triton kernel."""
+    from .mma_layout import MAX_M
+
+    return (path == "w4a16" and x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting()
+            and arch is not None and arch.capability >= (8, 0) and M <= MAX_M and len(w.shape) == 2)
+
+
+def mma_packed(w: FP4Tensor):
+    """``w`` in MMA operand order (``ops.mma_layout.pack_mma``), packed on first use and kept with
+    the weight's storage (one more copy of the FP4 bytes). None while a CUDA graph is being
+    captured and no pack exists yet (packing allocates): the caller then uses the Triton kernel;
+    ``FP4Linear`` packs when it is moved to a GPU, so captured graphs find the pack ready."""
+    from .mma_layout import pack_mma
+
+    packed = getattr(w.data, "_fp4moe_mma", None)
+    if packed is None or packed.global_scale is not w.global_scale:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        packed = pack_mma(w)
+        w.data._fp4moe_mma = packed
+    return packed
+
+
+def _forward_mma(x, x2, w, packed, bias, out, M, N, sm_count):
+    from .mma_layout import choose_mma_config, launch_linear_mma
+
+    cfg = choose_mma_config(M, N, w.shape[1], sm_count or 132)
+    key = guard.GuardKey(kernel=f"fp4_linear_mma[{w.fmt},bfloat16]", config=str(cfg), device=guard.device_name(x.device))
+    if guard.should_check(key):
+        guard.check(key, lambda: _probe_mma(x.device, w.fmt, cfg))
+    if guard.use_reference(key):
+        return fp4_linear_reference(x2, w, bias)
+    return launch_linear_mma(x2, packed, bias, out, cfg)
+
+
+def _probe_mma(device: torch.device, fmt: FP4Format, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small problem through the MMA-layout kernel with ``cfg``, and its reference."""
+    from .mma_layout import launch_linear_mma, pack_mma
+
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    M, N, K = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.bfloat16)
+    w = quantize(torch.randn(N, K, generator=g), fmt).to(device)
+    bias = torch.randn(N, generator=g).to(device=device, dtype=torch.bfloat16)
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=device)
+    launch_linear_mma(x, pack_mma(w), bias, out, cfg)
+    return out, fp4_linear_reference(x, w, bias)
 
 
 def _probe(device: torch.device, dtype: torch.dtype, fmt: FP4Format, mode: Mode, path: Path,

@@ -1,0 +1,220 @@
+"""W4A16 FP4 linear kernel on weights stored in MMA-operand order (Gluon, compiled CUDA only).
+
+Why a second kernel: the Triton kernel in ``linear.py`` loads packed weights in a coalesced
+layout, and the compiler then moves every byte into the tensor-core operand layout through
+shared memory (byte-wise ``ld.shared`` + ``prmt``): ~5 of its ~8 instructions per weight
+element (notes/linear-perf.md). Here the weights are re-ordered once, at load time
+(``fp4moe.ops.mma_layout``), so that one 16-byte load gives each thread exactly the nibbles of
+its ``mma.sync.m16n8k16`` A fragments, and the decoded registers *are* the operand: the layout
+conversion is asserted trivial at compile time (``assert_trivial=True``).
+
+Stored layout (``fp4moe.ops.mma_layout`` writes it, its docstring has the bit-level detail):
+  words  int32 [N/16, K/64, 32, 4]: for 16 weight rows x 64 K, lane ``l = 4g + t`` owns 4
+         consecutive words, word ``kl`` holding its 8 A-fragment values of K tile ``kl``.
+  scales uint8 [N/16, K/64, 8, 8] (NVFP4: one pair (row g, row g+8) per K tile, re-encoded so
+         that one integer multiply-add gives the bf16 scale) or [N/16, K/64, 8, 4] (MXFP4: one
+         pair per 32 K).
+Computes the transposed product (weights are the MMA's M side, tokens its N side) like the
+Triton kernel, with the same split-K partial-sum convention (``splitk_reduce_kernel``).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+# Decode one word (8 E2M1 codes, nibble p = 4*i0 + 2*i2 + i1 of fragment value (i2, i1, i0)) with
+# its two block scales (bf16x2, from ``_SCALE_ASM``) into the 8 bf16 A-fragment values. Nibble
+# pairs (p, p+4) share one 32-bit register, 16 bits apart: mask them, one multiply places each
+# magnitude at bf16 bits 8..6 and its sign at bit 15 of its half (the E2M1 value times 2**-126,
+# a bf16 subnormal for code 1 as in E2M1 itself), a mask drops the copies, and one multiply by
+# the scale (times 2**F) leaves value * scale * 2**(F - 126), exact; the kernel multiplies the
+# accumulator by FOLD = 2**(126 - F) once.
+_DECODE_ASM = """
+{
+.reg .b32 w8, u0, u1, u2, u3, r0, r1, r2, r3, nz;
+mov.b32 nz, 0x80008000;
+shr.u32 w8, $8, 8;
+and.b32 u0, $8, 0x000F000F;
+and.b32 u1, $8, 0x00F000F0;
+and.b32 u2, w8, 0x000F000F;
+and.b32 u3, w8, 0x00F000F0;
+mul.lo.u32 u0, u0, 0x1040;
+mul.lo.u32 u1, u1, 0x104;
+mul.lo.u32 u2, u2, 0x1040;
+mul.lo.u32 u3, u3, 0x104;
+and.b32 u0, u0, 0x81C081C0;
+and.b32 u1, u1, 0x81C081C0;
+and.b32 u2, u2, 0x81C081C0;
+and.b32 u3, u3, 0x81C081C0;
+fma.rn.bf16x2 r0, u0, $9, nz;
+fma.rn.bf16x2 r1, u1, $10, nz;
+fma.rn.bf16x2 r2, u2, $9, nz;
+fma.rn.bf16x2 r3, u3, $10, nz;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
+# A lane's scale pair (low byte: row g, high byte: row g + 8) -> two bf16x2 registers, each
+# scale * 2**F in both halves: prmt spreads a byte into both halves, one multiply-add turns the
+# stored code into the bf16 bit pattern. One pair serves all 4 words of a lane's 64-K chunk.
+_SCALE_ASM = """
+{
+.reg .b32 s;
+cvt.u32.u16 s, $2;
+prmt.b32 $0, s, 0, 0x4040;
+prmt.b32 $1, s, 0, 0x4141;
+mad.lo.u32 $0, $0, SCALE_MUL, SCALE_ADD;
+mad.lo.u32 $1, $1, SCALE_MUL, SCALE_ADD;
+}
+"""
+#: (multiplier, addend) turning a stored scale byte into bf16 scale * 2**F, per format
+NVFP4_SCALE_MAD = (16, 0x75807580)  # E5M3 code (bias -10) << 4, exponent + 235: scale * 2**118
+MXFP4_SCALE_MAD = (128, 0x32003200)  # E8M0 e << 7, exponent + 100: scale * 2**100
+FOLD_E4M3 = 256.0  # 2**(126 - 118)
+FOLD_E8M0 = 67108864.0  # 2**(126 - 100)
+DECODE_ASM = _DECODE_ASM
+
+
+def scale_asm(mxfp4: bool) -> str:
+    mul, add = MXFP4_SCALE_MAD if mxfp4 else NVFP4_SCALE_MAD
+    return _SCALE_ASM.replace("SCALE_MUL", str(mul)).replace("SCALE_ADD", hex(add))
+
+
+@gluon.jit
+def _arange4(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.constexpr, layout: gl.constexpr):
+    """Index tensors of a 4-D ``layout``, each broadcastable to [n0, n1, n2, n3]."""
+    i0 = gl.arange(0, n0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    i1 = gl.arange(0, n1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    i2 = gl.arange(0, n2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+    i3 = gl.arange(0, n3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    i0 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i0, 1), 2), 3)
+    i1 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i1, 0), 2), 3)
+    i2 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i2, 0), 1), 3)
+    i3 = gl.expand_dims(gl.expand_dims(gl.expand_dims(i3, 0), 1), 2)
+    return i0, i1, i2, i3
+
+
+def x_layout(block_m: int, kh: int, warps: int) -> gl.DistributedLinearLayout:
+    """x tile [block_m, 64 kh] in stored K order: lane 4g + t reads token g (+ 8 per register
+    repeat) and the 16 consecutive K at 16t of each 64-K chunk (two 16-byte loads); replicated
+    over warps. Reordered to MMA order it is the B operand layout (asserted at the conversion)."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8]] + [[0, 64 << i] for i in range(kh.bit_length() - 1)] \
+        + [[8 << i, 0] for i in range((block_m // 8).bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[0, 0]] * (warps.bit_length() - 1), block_bases=[],
+                                      shape=[block_m, 64 * kh])
+
+
+@gluon.jit
+def fp4_linear_mma_kernel(
+    wq_ptr,  # int32 words [N/16, K/64, 32, 4]
+    sc_ptr,  # int16 scale pairs [N/16, K/64, 32] (NVFP4) or [N/16, K/64, 8, 2] (MXFP4)
+    x_ptr,  # [M, K] bf16, (stride_xm, 1)
+    wg_ptr,  # [1] fp32 weight global scale (HAS_WG) or unused
+    bias_ptr,  # [N] (HAS_BIAS) or unused
+    y_ptr,  # SPLIT_K == 1: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] fp32 partial sums
+    M, N, K,  # K: the stored (padded) K, a multiple of 64; x is read (masked) up to K_X
+    K_X, stride_xm, stride_ym,
+    k_chunks_per_split,  # 64-K chunks per split (a multiple of KH)
+    RB: gl.constexpr,  # 16-row blocks per warp
+    WARPS: gl.constexpr,  # warps along N (= num_warps)
+    KH: gl.constexpr,  # 64-K chunks per loop step
+    BLOCK_M: gl.constexpr,  # tokens per program (8 or a multiple of 16)
+    MXFP4: gl.constexpr, HAS_WG: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+    FOLD: gl.constexpr,  # 2**(126 - F): what the decode leaves on its products
+    DECODE: gl.constexpr,  # DECODE_ASM
+    SCALE: gl.constexpr,  # scale_asm(MXFP4)
+    X_LAYOUT: gl.constexpr,  # x_layout(BLOCK_M, KH, WARPS)
+    EVEN_K: gl.constexpr,  # K_X == K (no padding along K)
+):
+    BLOCK_N: gl.constexpr = 16 * RB * WARPS
+    BLOCK_K: gl.constexpr = 64 * KH
+    NB: gl.constexpr = RB * WARPS  # 16-row blocks per program
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # words: [row block, K chunk, lane, word]; each thread 4 consecutive words (one 16-byte load);
+    # warps take the low row blocks, as in the MMA layout (RB repeats the tile in registers)
+    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, KH, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                              warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
+    x_layout: gl.constexpr = X_LAYOUT
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    KC = K // 64
+    NRB = (N + 15) // 16
+    c_start = pid_k * k_chunks_per_split
+    c_end = gl.minimum(c_start + k_chunks_per_split, KC)
+
+    # pointers at chunk 0; each step adds the chunk offset (a scalar)
+    i_rb, i_kc, i_lane, i_kl = _arange4(NB, KH, 32, 4, w_layout)
+    rb = gl.minimum(pid_n * NB + i_rb, NRB - 1)  # rows past N re-read the last block (never stored)
+    w_ptrs = wq_ptr + ((rb.to(gl.int64) * KC + i_kc) * 32 + i_lane) * 4 + i_kl
+    s_rb = gl.minimum(pid_n * NB + gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))), NRB - 1)
+    s_kc = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
+    s_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
+    s_blk = gl.expand_dims(gl.expand_dims(s_rb.to(gl.int64) * KC, 1) + gl.expand_dims(s_kc, 0), 2)
+    if MXFP4:  # one pair per 32 K: [N/16, K/64, 8, 2]
+        s_ptrs = sc_ptr + s_blk * 16 + gl.expand_dims(gl.expand_dims((s_lane // 4) * 2 + (s_lane % 4) // 2, 0), 1)
+        S_STEP: gl.constexpr = 16
+    else:  # one pair per 16 K: [N/16, K/64, 32]
+        s_ptrs = sc_ptr + s_blk * 32 + gl.expand_dims(gl.expand_dims(s_lane, 0), 1)
+        S_STEP: gl.constexpr = 32
+    # tokens past M re-read the last token (never stored): no masked loads in the loop
+    offs_m = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout)), M - 1)
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    x_ptrs = x_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(offs_k, 0)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    w = gl.load(w_ptrs + c_start * 128)
+    s = gl.load(s_ptrs + c_start * S_STEP)
+    for c0 in range(c_start, c_end, KH):
+        if EVEN_K:
+            xt = gl.load(x_ptrs + c0 * 64)
+        else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
+            xt = gl.load(x_ptrs + c0 * 64, mask=gl.expand_dims(c0 * 64 + offs_k < K_X, 0), other=0.0)
+        # the next step's weights are requested before this step's decoding (register double buffer)
+        c_next = gl.minimum(c0 + KH, c_end - KH)
+        w_next = gl.load(w_ptrs + c_next * 128)
+        s_next = gl.load(s_ptrs + c_next * S_STEP)
+        sg, sh = gl.inline_asm_elementwise(SCALE, "=r,=r,h", [s], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+        sg, _ = gl.broadcast(gl.expand_dims(sg, 3), w)
+        sh, _ = gl.broadcast(gl.expand_dims(sh, 3), w)
+        o000, o001, o010, o011, o100, o101, o110, o111 = gl.inline_asm_elementwise(
+            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, sg, sh],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+        v = gl.join(gl.join(gl.join(o000, o001), gl.join(o010, o011)),
+                    gl.join(gl.join(o100, o101), gl.join(o110, o111)))  # [NB, KH, 32, 4, i0, i1, i2]
+        v = gl.reshape(v, [NB, KH, 8, 4, 4, 2, 2, 2])  # lane -> (g, t)
+        v = gl.permute(v, [0, 6, 2, 1, 4, 7, 3, 5])  # [rb, i1, g, kc, kl, i2, t, i0]
+        wd = gl.convert_layout(gl.reshape(v, [BLOCK_N, BLOCK_K]), a_layout, assert_trivial=True)
+        # x from stored K order (kc, t, kl, i2, i0) to MMA order (kc, kl, i2, t, i0)
+        xb = gl.permute(gl.reshape(xt, [BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 3, 4, 2, 5])
+        xb = gl.convert_layout(gl.permute(gl.reshape(xb, [BLOCK_M, BLOCK_K]), [1, 0]), b_layout, assert_trivial=True)
+        acc = mma_v2(wd, xb, acc)
+        w = w_next
+        s = s_next
+
+    out = acc
+    if FOLD != 1.0:
+        out = out * FOLD
+    if HAS_WG:
+        out = out * gl.load(wg_ptr)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    n_mask = offs_n < N
+    mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_mo < M, 0)
+    rows = gl.expand_dims(offs_mo.to(gl.int64), 0)
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
+            out = out + gl.expand_dims(bias, 1)
+        gl.store(y_ptr + rows * stride_ym + gl.expand_dims(offs_n, 1), out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        part = y_ptr + (pid_k * M + rows) * N + gl.expand_dims(offs_n, 1)
+        gl.store(part, out, mask=mask)

@@ -1,0 +1,243 @@
+"""FP4 weights re-ordered once into tensor-core operand order, and the W4A16 decode launcher that
+reads them (``kernels.linear_mma``).
+
+``pack_mma(w)`` turns an ``FP4Tensor`` [N, K] into ``MMAPackedFP4``. The values are those of
+``w`` exactly (``unpack_mma`` inverts it; tests check both ways): only the order of the nibbles
+and the encoding of the scales change.
+
+Words. Rows are cut in blocks of 16, K in chunks of 64. In ``mma.sync.m16n8k16`` a lane
+``l = 4g + t`` holds, of a 16x16 A tile, the values (i2, i1, i0) at row ``g + 8*i1`` and column
+``8*i2 + 2t + i0``. Word ``[rb, kc, l, kl]`` holds those 8 values of the tile (rows
+``16 rb ..``, K ``64 kc + 16 kl ..``), value (i2, i1, i0) in nibble ``p = 4*i0 + 2*i2 + i1``:
+nibbles p and p + 4 (one bf16x2 operand register) sit 16 bits apart, so one mask and one
+multiply place both (the decoder's comment has the arithmetic).
+
+Scales. NVFP4: E4M3 re-encoded as E5M3 with exponent bias -10 (every E4M3 value, subnormals
+included, is a normal E5M3 number with exponent code 1..18), so that ``(code << 4) + (235 << 7)``
+is the bf16 bit pattern of scale * 2**118. Code 0 marks a zero scale: the decoder turns it into a
+tiny non-zero scale, so its block's codes are set to zero (its values are zero either way). MXFP4: the E8M0 exponent as stored. Pairs (row g, row g + 8) are adjacent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import NVFP4, FP4Format
+from ..quantize import FP4Tensor
+from ._runtime import E8M0_RANGE
+
+ROWS = 16  # weight rows per block (the MMA's M)
+KCHUNK = 64  # K per 4 words of a lane
+
+
+@dataclass(frozen=True)
+class MMAPackedFP4:
+    """FP4 weights in the operand order of ``kernels.linear_mma``.
+
+    words: int32 [N_pad/16, K_pad/64, 32, 4]; scales: uint8 [N_pad/16, K_pad/64, 32, 2] (NVFP4)
+    or [N_pad/16, K_pad/64, 8, 4] (MXFP4); global_scale: as ``FP4Tensor`` (one value or None);
+    shape: the logical [N, K]; N and K are padded with zeros to 16 and 64.
+    """
+
+    words: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    shape: torch.Size
+    fmt: FP4Format
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def to(self, device) -> MMAPackedFP4:
+        return MMAPackedFP4(self.words.to(device), self.scales.to(device),
+                            None if self.global_scale is None else self.global_scale.to(device), self.shape, self.fmt)
+
+
+def _e4m3_to_e5m3(bits: torch.Tensor) -> torch.Tensor:
+    """E4M3 bit patterns (positive) -> E5M3 codes with exponent bias -10 (0 for a zero scale)."""
+    b = bits.to(torch.int32) & 0x7F
+    e, m = b >> 3, b & 7
+    normal = ((e + 3) << 3) | m
+    # subnormal m/8 * 2**-6: normalise (m = 1: 2**-9, 2..3: 2**-8, 4..7: 2**-7)
+    shift = torch.where(m >= 4, 2, torch.where(m >= 2, 1, 0))
+    mant = ((m << (3 - shift)) & 7)
+    sub = ((shift + 1) << 3) | mant
+    return torch.where(e > 0, normal, torch.where(m > 0, sub, 0)).to(torch.uint8)
+
+
+def _e5m3_to_e4m3(code: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_e4m3_to_e5m3`` on codes of non-zero scales (uint8 E4M3 bits)."""
+    c = code.to(torch.int32)
+    e5, m = c >> 3, c & 7
+    normal = ((e5 - 3) << 3) | m
+    # e5 1..3 are the subnormals: value (8 + m) / 8 * 2**(e5 - 10) = m' / 8 * 2**-6
+    mp = (8 + m) >> (4 - e5).clamp(min=0, max=4)
+    return torch.where(e5 >= 4, normal, mp).to(torch.uint8)
+
+
+def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
+    """Re-order a 2-D FP4 weight [N, K] into MMA operand order (any device; one pass)."""
+    if not isinstance(w, FP4Tensor):
+        raise TypeError(f"w: expected an FP4Tensor, got {type(w).__name__}")
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    if w.global_scale is not None and w.global_scale.numel() != 1:
+        raise ValueError("w: the MMA layout takes one global scale per weight")
+    N, K = w.shape
+    group = w.fmt.block_size
+    Np, Kp = -(-N // ROWS) * ROWS, -(-K // KCHUNK) * KCHUNK
+    data = w.data
+    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(N, K)
+    sbits = w.scales.view(torch.uint8)
+    if w.fmt is NVFP4:
+        if bool(((sbits & 0x7F) == 0x7F).any()):
+            raise ValueError("w: NVFP4 scales contain NaN (E4M3 0x7F)")
+        zero_block = (sbits & 0x7F) == 0
+        codes = codes.masked_fill(zero_block.repeat_interleave(group, dim=1), 0)
+        scodes = _e4m3_to_e5m3(sbits)
+    else:
+        lo, hi = E8M0_RANGE["bf16"]
+        if sbits.numel() and not (lo <= int(sbits.min()) and int(sbits.max()) <= hi):
+            raise ValueError(f"w: MXFP4 scale exponents outside {lo - 127}..{hi - 127} cannot be decoded exactly")
+        scodes = sbits
+    codes = torch.nn.functional.pad(codes, (0, Kp - K, 0, Np - N))
+    fill = 0 if w.fmt is NVFP4 else 127
+    scodes = torch.nn.functional.pad(scodes, (0, (Kp - K) // group, 0, Np - N), value=fill)
+
+    # stored K (kc, t, kl, i2, i0) -> [rb, kc, g, t, kl, i0, i2, i1]: nibble p = 4 i0 + 2 i2 + i1
+    c = codes.reshape(Np // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+    c = c.reshape(Np // 16, Kp // 64, 32, 4, 8).to(torch.int64)
+    shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int64)
+    words = (c << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    if w.fmt is NVFP4:  # lane (g, t) owns K group t of the chunk: [rb, i1, g, kc, t] -> [rb, kc, g, t, i1]
+        s = scodes.reshape(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).reshape(Np // 16, Kp // 64, 32, 2)
+    else:  # one scale per 32 K, group t // 2: [rb, i1, g, kc, th] -> [rb, kc, g, th, i1]
+        s = scodes.reshape(Np // 16, 2, 8, Kp // 64, 2).permute(0, 3, 2, 4, 1).reshape(Np // 16, Kp // 64, 8, 4)
+    return MMAPackedFP4(words.contiguous(), s.contiguous(), w.global_scale, torch.Size((N, K)), w.fmt)
+
+
+def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
+    """The ``FP4Tensor`` that ``p`` holds (codes of zero-scale NVFP4 blocks read back as zeros)."""
+    N, K = p.shape
+    nb, kcs = p.words.shape[:2]
+    Np, Kp = nb * 16, kcs * 64
+    w = p.words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int64)
+    c = ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(nb, kcs, 8, 4, 4, 2, 2, 2)  # [rb, kc, g, t, kl, i0, i2, i1]
+    codes = c.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(Np, Kp)[:N, :K].to(torch.uint8)
+    if p.fmt is NVFP4:
+        s = p.scales.reshape(nb, kcs, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 16)
+        s = torch.where(s == 0, 0, _e5m3_to_e4m3(s))[:N, :K // 16].to(torch.uint8)
+        scales = s.view(torch.float8_e4m3fn)
+    else:
+        s = p.scales.reshape(nb, kcs, 8, 2, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 32)
+        scales = s[:N, :K // 32].contiguous()
+    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return FP4Tensor(data=data, scales=scales.contiguous(), global_scale=p.global_scale, shape=torch.Size((N, K)),
+                     fmt=p.fmt)
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+
+
+@dataclass(frozen=True)
+class MMAConfig:
+    """Launch parameters of ``fp4_linear_mma_kernel``: ``rb`` 16-row blocks per warp, ``warps``
+    warps along N (BLOCK_N = 16 * rb * warps), ``kh`` 64-K chunks per loop step, ``block_m``
+    tokens per program, ``split_k`` programs sharing one output tile along K."""
+
+    rb: int = 1
+    warps: int = 4
+    kh: int = 4
+    block_m: int = 16
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rb not in (1, 2, 4):
+            raise ValueError(f"MMAConfig.rb: expected 1, 2 or 4, got {self.rb}")
+        if self.warps not in (1, 2, 4, 8):
+            raise ValueError(f"MMAConfig.warps: expected 1, 2, 4 or 8, got {self.warps}")
+        if self.kh not in (1, 2, 4):
+            raise ValueError(f"MMAConfig.kh: expected 1, 2 or 4, got {self.kh}")
+        if self.block_m not in (8, 16, 32, 64):
+            raise ValueError(f"MMAConfig.block_m: expected 8, 16, 32 or 64, got {self.block_m}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"MMAConfig.split_k: expected 1..64, got {self.split_k}")
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.rb * self.warps
+
+    def __str__(self) -> str:
+        split = f"_split{self.split_k}" if self.split_k > 1 else ""
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}"
+
+
+#: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
+#: H200 at M = 64: the MMA-layout kernel's x fragments spill its registers or cut its K step)
+MAX_M = 16
+
+
+def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132) -> MMAConfig:
+    """From an H200 sweep (scripts/try_linear_mma.py, GLM-5 shapes): 8 tokens per program at
+    M <= 8 with 64 weight rows (4 warps x 16); 16 tokens with 128 rows (each warp reuses its x
+    fragments over two row blocks); 256 K per step; K split until there are ~5 (M <= 8) or ~3
+    (M <= 16, more registers per thread) programs per SM, at most 8 splits."""
+    block_m = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
+    rb = 1 if block_m == 8 else 2
+    kh = 4 if block_m <= 16 else 2 if block_m == 32 else 1
+    chunks = -(-K // KCHUNK)
+    while chunks % kh:
+        kh //= 2
+    tiles = -(-N // (64 * rb)) * -(-M // block_m)
+    want = (5 if block_m == 8 else 2.5) * sm_count
+    split = 1
+    while tiles * split < want and split < 8 and chunks // (kh * split * 2) >= 1:
+        split *= 2
+    return MMAConfig(rb=rb, warps=4, kh=kh, block_m=block_m, split_k=split)
+
+
+def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
+                      config: MMAConfig) -> torch.Tensor:
+    """One launch: ``out[M, N] = x2[M, K] @ W^T (+ bias)``; x2 bf16 with unit stride along K,
+    out with unit stride along N. Compiled CUDA only (Gluon; no interpreter)."""
+    import triton
+
+    from ..kernels.linear import splitk_reduce_kernel
+    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kernel, scale_asm, x_layout
+
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"x: the MMA-layout kernel takes bfloat16 activations, got {x2.dtype}")
+    M, K = x2.shape
+    N = p.shape[0]
+    chunks = p.words.shape[1]
+    kh = config.kh
+    while chunks % kh:
+        kh //= 2
+    steps = chunks // kh
+    split = min(config.split_k, steps)
+    per_split = -(-steps // split) * kh
+    split = -(-chunks // per_split)
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
+    mx = p.fmt is not NVFP4
+    wg = p.global_scale if p.global_scale is not None else p.scales
+    bias_arg = bias if bias is not None else out
+    grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m), split)
+    fp4_linear_mma_kernel[grid](
+        p.words, p.scales.view(torch.int16), x2, wg, bias_arg, target,
+        M, N, chunks * KCHUNK, K, x2.stride(0), out.stride(0), per_split,
+        RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
+        HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
+        FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
+        X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == K, num_warps=config.warps,
+    )
+    if split > 1:
+        splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
+            target, bias_arg, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=1024, HAS_BIAS=bias is not None,
+            num_warps=4)
+    return out
