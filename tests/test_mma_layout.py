@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from fp4moe.formats import MXFP4, NVFP4
-from fp4moe.ops.mma_layout import (MMAConfig, _e4m3_to_e5m3, _e5m3_to_e4m3, choose_mma_config, pack_mma,
+from fp4moe.formats import e4m3_to_e5m3, e5m3_to_e4m3
+from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
                                    unpack_mma)
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
 
@@ -41,9 +42,9 @@ def test_pack_round_trip(fmt, N, K):
 
 def test_scale_codes_cover_e4m3_exactly():
     bits = torch.arange(1, 127, dtype=torch.uint8)  # every finite positive E4M3 (0x7F is NaN)
-    code = _e4m3_to_e5m3(bits)
+    code = e4m3_to_e5m3(bits)
     assert int(code.min()) >= 8 and int(code.max()) <= 151  # code 0 is reserved for a zero scale
-    assert torch.equal(_e5m3_to_e4m3(code), bits)
+    assert torch.equal(e5m3_to_e4m3(code), bits)
     # the kernel's multiply-add: code * 16 + (235 << 7) is the bf16 of scale * 2**118
     bf16 = (code.to(torch.int32) * 16 + (235 << 7)).to(torch.int16).view(torch.bfloat16).float()
     assert torch.equal(bf16, bits.view(torch.float8_e4m3fn).float() * 2.0**118)

@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 
 __all__ = [
+    "e4m3_to_e5m3",
+    "e5m3_to_e4m3",
     "FP4Format",
     "NVFP4",
     "MXFP4",
@@ -150,6 +152,33 @@ def e4m3_decode_bits(bits: torch.Tensor) -> torch.Tensor:
     subnormal = man * 2.0**-9
     value = sign * torch.where(exp == 0, subnormal, normal)
     return torch.where((b & 0x7F) == 0x7F, torch.full_like(value, math.nan), value)
+
+
+def e4m3_to_e5m3(bits: torch.Tensor) -> torch.Tensor:
+    """E4M3 bit patterns (positive) -> E5M3 codes with exponent bias -10 (0 for a zero scale).
+
+    Every E4M3 value, subnormals included, is a normal E5M3 number with exponent code 1..18, so a
+    kernel turns a code into the bf16 bit pattern of ``scale * 2**118`` with one integer
+    multiply-add: ``(code << 4) + (235 << 7)`` (``kernels.linear_mma``). Sign bits are ignored.
+    """
+    b = bits.to(torch.int32) & 0x7F
+    e, m = b >> 3, b & 7
+    normal = ((e + 3) << 3) | m
+    # subnormal m/8 * 2**-6: normalise (m = 1: 2**-9, 2..3: 2**-8, 4..7: 2**-7)
+    shift = torch.where(m >= 4, 2, torch.where(m >= 2, 1, 0))
+    mant = ((m << (3 - shift)) & 7)
+    sub = ((shift + 1) << 3) | mant
+    return torch.where(e > 0, normal, torch.where(m > 0, sub, 0)).to(torch.uint8)
+
+
+def e5m3_to_e4m3(code: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``e4m3_to_e5m3`` on codes of non-zero scales (uint8 E4M3 bits)."""
+    c = code.to(torch.int32)
+    e5, m = c >> 3, c & 7
+    normal = ((e5 - 3) << 3) | m
+    # e5 1..3 are the subnormals: value (8 + m) / 8 * 2**(e5 - 10) = m' / 8 * 2**-6
+    mp = (8 + m) >> (4 - e5).clamp(min=0, max=4)
+    return torch.where(e5 >= 4, normal, mp).to(torch.uint8)
 
 
 def e8m0_decode(exponents: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,7 @@ def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None) 
         if hasattr(ops_linear, "choose_path"):  # choose_config(M, N, K, *, path, arch, sm_count)
             from ..ops.mma_layout import MAX_M, choose_mma_config
 
-            if (mode == "w4a16" and chip is not None and chip.capability >= (8, 0) and M <= MAX_M):
+            if mode == "w4a16" and chip is not None and M <= MAX_M:
                 return str(choose_mma_config(M, N, K, sm_count or 132))  # bf16 x: the MMA-layout kernel
             return str(choose(M, N, K, path=ops_linear.choose_path(mode, chip), arch=chip, sm_count=sm_count))
         return str(choose(M, N, K, mode=mode, arch=chip))

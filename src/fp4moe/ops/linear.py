@@ -302,12 +302,13 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
 
 
 def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor, path: Path, arch: Arch | None, M: int) -> bool:
-    """Decode-sized W4A16 with bf16 activations on compiled CUDA (SM80+, mma.sync) runs the
-    MMA-layout kernel (``ops.mma_layout``); everything else the Triton kernel."""
+    """Decode-sized W4A16 with bf16 activations on compiled CUDA runs the MMA-layout kernel
+    (``ops.mma_layout``; mma.sync, which every catalogued architecture, SM80 on, has); everything
+    else the Triton kernel."""
     from .mma_layout import MAX_M
 
     return (path == "w4a16" and x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting()
-            and arch is not None and arch.capability >= (8, 0) and M <= MAX_M and len(w.shape) == 2)
+            and arch is not None and M <= MAX_M and len(w.shape) == 2)
 
 
 def mma_packed(w: FP4Tensor):

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats import NVFP4, FP4Format
+from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
-from ._runtime import E8M0_RANGE
+from ._runtime import check_weight_scale_range
 
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
@@ -56,30 +56,9 @@ class MMAPackedFP4:
                             None if self.global_scale is None else self.global_scale.to(device), self.shape, self.fmt)
 
 
-def _e4m3_to_e5m3(bits: torch.Tensor) -> torch.Tensor:
-    """E4M3 bit patterns (positive) -> E5M3 codes with exponent bias -10 (0 for a zero scale)."""
-    b = bits.to(torch.int32) & 0x7F
-    e, m = b >> 3, b & 7
-    normal = ((e + 3) << 3) | m
-    # subnormal m/8 * 2**-6: normalise (m = 1: 2**-9, 2..3: 2**-8, 4..7: 2**-7)
-    shift = torch.where(m >= 4, 2, torch.where(m >= 2, 1, 0))
-    mant = ((m << (3 - shift)) & 7)
-    sub = ((shift + 1) << 3) | mant
-    return torch.where(e > 0, normal, torch.where(m > 0, sub, 0)).to(torch.uint8)
-
-
-def _e5m3_to_e4m3(code: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``_e4m3_to_e5m3`` on codes of non-zero scales (uint8 E4M3 bits)."""
-    c = code.to(torch.int32)
-    e5, m = c >> 3, c & 7
-    normal = ((e5 - 3) << 3) | m
-    # e5 1..3 are the subnormals: value (8 + m) / 8 * 2**(e5 - 10) = m' / 8 * 2**-6
-    mp = (8 + m) >> (4 - e5).clamp(min=0, max=4)
-    return torch.where(e5 >= 4, normal, mp).to(torch.uint8)
-
-
 def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
-    """Re-order a 2-D FP4 weight [N, K] into MMA operand order (any device; one pass)."""
+    """Re-order a 2-D FP4 weight [N, K] into MMA operand order (any device; one pass). Checks the
+    scales with one host sync: call it when weights are loaded, not per call."""
     if not isinstance(w, FP4Tensor):
         raise TypeError(f"w: expected an FP4Tensor, got {type(w).__name__}")
     if len(w.shape) != 2:
@@ -89,19 +68,16 @@ def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
     N, K = w.shape
     group = w.fmt.block_size
     Np, Kp = -(-N // ROWS) * ROWS, -(-K // KCHUNK) * KCHUNK
-    data = w.data
-    codes = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(N, K)
+    codes = unpack_fp4(w.data)
     sbits = w.scales.view(torch.uint8)
     if w.fmt is NVFP4:
         if bool(((sbits & 0x7F) == 0x7F).any()):
             raise ValueError("w: NVFP4 scales contain NaN (E4M3 0x7F)")
         zero_block = (sbits & 0x7F) == 0
         codes = codes.masked_fill(zero_block.repeat_interleave(group, dim=1), 0)
-        scodes = _e4m3_to_e5m3(sbits)
+        scodes = e4m3_to_e5m3(sbits)
     else:
-        lo, hi = E8M0_RANGE["bf16"]
-        if sbits.numel() and not (lo <= int(sbits.min()) and int(sbits.max()) <= hi):
-            raise ValueError(f"w: MXFP4 scale exponents outside {lo - 127}..{hi - 127} cannot be decoded exactly")
+        check_weight_scale_range(w, "w")  # the decoder folds 2**100 into E8M0 scales, as the Triton one
         scodes = sbits
     codes = torch.nn.functional.pad(codes, (0, Kp - K, 0, Np - N))
     fill = 0 if w.fmt is NVFP4 else 127
@@ -131,13 +107,12 @@ def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
     codes = c.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(Np, Kp)[:N, :K].to(torch.uint8)
     if p.fmt is NVFP4:
         s = p.scales.reshape(nb, kcs, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 16)
-        s = torch.where(s == 0, 0, _e5m3_to_e4m3(s))[:N, :K // 16].to(torch.uint8)
+        s = torch.where(s == 0, 0, e5m3_to_e4m3(s))[:N, :K // 16].to(torch.uint8)
         scales = s.view(torch.float8_e4m3fn)
     else:
         s = p.scales.reshape(nb, kcs, 8, 2, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 32)
         scales = s[:N, :K // 32].contiguous()
-    data = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    return FP4Tensor(data=data, scales=scales.contiguous(), global_scale=p.global_scale, shape=torch.Size((N, K)),
+    return FP4Tensor(data=pack_fp4(codes.contiguous()), scales=scales.contiguous(), global_scale=p.global_scale, shape=torch.Size((N, K)),
                      fmt=p.fmt)
 
 
@@ -183,6 +158,13 @@ class MMAConfig:
 MAX_M = 16
 
 
+def _fit_kh(kh: int, chunks: int) -> int:
+    """The largest of kh, kh/2, ... that divides the number of 64-K chunks."""
+    while chunks % kh:
+        kh //= 2
+    return kh
+
+
 def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132) -> MMAConfig:
     """From an H200 sweep (scripts/try_linear_mma.py, GLM-5 shapes): 8 tokens per program at
     M <= 8 with 64 weight rows (4 warps x 16); 16 tokens with 128 rows (each warp reuses its x
@@ -192,8 +174,7 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132) -> MMAConfig:
     rb = 1 if block_m == 8 else 2
     kh = 4 if block_m <= 16 else 2 if block_m == 32 else 1
     chunks = -(-K // KCHUNK)
-    while chunks % kh:
-        kh //= 2
+    kh = _fit_kh(kh, chunks)
     tiles = -(-N // (64 * rb)) * -(-M // block_m)
     want = (5 if block_m == 8 else 2.5) * sm_count
     split = 1
@@ -216,9 +197,7 @@ def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | No
     M, K = x2.shape
     N = p.shape[0]
     chunks = p.words.shape[1]
-    kh = config.kh
-    while chunks % kh:
-        kh //= 2
+    kh = _fit_kh(config.kh, chunks)
     steps = chunks // kh
     split = min(config.split_k, steps)
     per_split = -(-steps // split) * kh
