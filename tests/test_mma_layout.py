@@ -138,13 +138,15 @@ from fp4moe.kernels import linear_mma as L
 from fp4moe.plan.crosscompile import mma_instructions
 import re
 out = []
-for cc, rb, kh, bm, mx in json.loads(sys.argv[1]):
+for cc, rb, kh, bm, mx, grouped in json.loads(sys.argv[1]):
     fn = L.fp4_linear_mma_kernel
     sig = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
-           "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
+           "y_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32",
+           "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "k_chunks_per_split": "i32"}
     cx = dict(RB=rb, WARPS=4, KH=kh, BLOCK_M=bm, MXFP4=mx, HAS_WG=not mx, HAS_BIAS=True, SPLIT_K=2, FOLD=256.0,
-              DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), X_LAYOUT=L.x_layout(bm, kh, 4), EVEN_K=True)
+              DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), X_LAYOUT=L.x_layout(bm, kh, 4), EVEN_K=True,
+              GROUPED=grouped, GATHER=grouped)
     sig.update({k: "constexpr" for k in cx})
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": 4})
@@ -157,7 +159,9 @@ print(json.dumps(out))
 
 
 def test_cross_compiles_without_shared_memory():
-    cases = [(80, 1, 4, 8, False), (90, 2, 4, 16, False), (90, 1, 4, 8, True), (120, 2, 4, 16, False)]
+    """Plain and grouped (MoE) variants."""
+    cases = [(80, 1, 4, 8, False, False), (90, 2, 4, 16, False, False), (90, 1, 4, 8, True, False),
+             (120, 2, 4, 16, False, False), (90, 1, 4, 8, False, True), (120, 1, 4, 16, True, True)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
@@ -217,3 +221,93 @@ def test_gpu_fp4_linear_routes_decode_to_mma_layout_and_graphs_work():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("activation,interleaved,per_row,bias", [("silu", False, False, False),
+                                                                  ("silu", False, True, True),
+                                                                  ("gpt_oss", True, False, True)])
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bias, T):
+    """fp4_moe_experts routes decode-sized W4A16 layers to the grouped MMA-layout kernel: same
+    numbers as the reference, dropped slots skipped, deterministic."""
+    from fp4moe import guard
+    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference
+    from fp4moe.quantize import quantize_stacked
+
+    if fmt is MXFP4 and per_row:
+        pytest.skip("MXFP4 has no global scales")
+    g = torch.Generator().manual_seed(T)
+    E, k, H, I = 64, 8, 1024, 512
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
+    if per_row:
+        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
+        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
+    w13, w2 = w13.to("cuda"), quantize_stacked(torch.randn(E, H, I, generator=g), fmt).to("cuda")
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to("cuda", torch.int32)
+    ids[0, -1] = -1  # a dropped slot
+    wts = torch.rand(T, k, generator=g).to("cuda") * (ids >= 0)
+    b13 = torch.randn(E, 2 * I, generator=g).to("cuda", torch.bfloat16) if bias else None
+    b2 = torch.randn(E, H, generator=g).to("cuda", torch.bfloat16) if bias else None
+    kw = dict(activation=activation, interleaved=interleaved, w13_bias=b13, w2_bias=b2)
+    y = fp4_moe_experts(x, w13, w2, ids, wts, **kw)
+    assert any(key.kernel.startswith("fp4_moe_mma") for key in guard._checked)
+    ref = fp4_moe_reference(x, w13, w2, ids, wts, **kw).float()
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err
+    assert torch.equal(fp4_moe_experts(x, w13, w2, ids, wts, **kw), y)  # deterministic
+
+
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("activation,interleaved,per_row,bias", [("silu", False, False, False),
+                                                                  ("silu", False, True, True),
+                                                                  ("gpt_oss", True, False, True)])
+def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, interleaved, per_row, bias):
+    """The MoE decode pipeline around the grouped kernel (plan, partials epilogue with globals, bias,
+    activation, routing weight and scatter, combine) on CPU: the Gluon GEMM is replaced by a torch
+    emulation of its contract (partials of the packed weights, which carry no global scale)."""
+    from fp4moe.ops import mma_layout
+    from fp4moe.ops.dispatch import dispatch
+    from fp4moe.ops.moe import _run_mma, fp4_moe_reference, mma_moe_config, mma_packed_experts
+    from fp4moe.quantize import quantize_stacked
+
+    if fmt is MXFP4 and per_row:
+        pytest.skip("MXFP4 has no global scales")
+    g = torch.Generator().manual_seed(7)
+    T, E, k, H, I = 5, 6, 3, 64, 32
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
+    if per_row:
+        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
+        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
+    w2 = quantize_stacked(torch.randn(E, H, I, generator=g), fmt)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[2, 1] = -1  # a dropped slot
+    wts = torch.rand(T, k, generator=g) * (ids >= 0)
+    b13 = torch.randn(E, 2 * I, generator=g).to(torch.bfloat16) if bias else None
+    b2 = torch.randn(E, H, generator=g).to(torch.bfloat16) if bias else None
+
+    def emulated(x2, p, n_per_expert, plan, config, *, gather):
+        w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
+        R = plan.sorted_pair.shape[0]
+        part = torch.full((1, R, n_per_expert), float("nan"))  # rows no tile covers must never be read
+        for t in range(plan.max_tiles):
+            e = int(plan.tile_expert[t])
+            if e < 0:
+                continue
+            for r in range(int(plan.tile_start[t]), int(plan.tile_end[t])):
+                row = int(plan.sorted_token[r]) if gather else r
+                part[0, r] = w[e] @ x2[row].float()
+        return part
+
+    monkeypatch.setattr(mma_layout, "launch_grouped_mma", emulated)
+    packed = (mma_packed_experts(w13), mma_packed_experts(w2))
+    cfg = mma_moe_config(T * k / E)
+    out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), k, activation, interleaved, b13, b2,
+                   None, torch.empty(T, H, dtype=torch.bfloat16))
+    ref = fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved,
+                            w13_bias=b13, w2_bias=b2).float()
+    assert torch.isfinite(out.float()).all()
+    assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2

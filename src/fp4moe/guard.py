@@ -69,6 +69,7 @@ TOLERANCES: dict[str, Tolerance] = {
     ),
 }
 TOLERANCES["fp4_linear_mma"] = TOLERANCES["fp4_linear"]  # same numerics, weights in MMA operand order
+TOLERANCES["fp4_moe_mma"] = TOLERANCES["fp4_moe"]
 
 
 _lock = threading.Lock()

@@ -87,6 +87,11 @@ def run_moe_bench(
     # FP4 weights, one global per expert, built expert by expert to bound the fp32 temporaries
     w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen), fmt)
     w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), fmt)
+    if mode == "w4a16" and (2 * I) % 16 == 0 and H % 16 == 0:  # decode reads MMA-order copies: pack before capture
+        from ..ops.moe import mma_packed_experts
+
+        mma_packed_experts(w13)
+        mma_packed_experts(w2)
     route = _router(spec)
     if torch_baseline:
         w13t = torch.randn(E, H, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2).contiguous().transpose(1, 2)

@@ -114,8 +114,11 @@ def fp4_linear_mma_kernel(
     x_ptr,  # [M, K] bf16, (stride_xm, 1)
     wg_ptr,  # [1] fp32 weight global scale (HAS_WG) or unused
     bias_ptr,  # [N] (HAS_BIAS) or unused
-    y_ptr,  # SPLIT_K == 1: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] fp32 partial sums
+    y_ptr,  # SPLIT_K == 1 and not GROUPED: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] fp32 partial sums
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tile map, else unused
+    row_x_ptr,  # GROUPED and GATHER: [M] int32 x row of each sorted row, else unused
     M, N, K,  # K: the stored (padded) K, a multiple of 64; x is read (masked) up to K_X
+    # GROUPED: M sorted rows (token-expert pairs), N rows per expert (the packed weight holds E * N)
     K_X, stride_xm, stride_ym,
     k_chunks_per_split,  # 64-K chunks per split (a multiple of KH)
     RB: gl.constexpr,  # 16-row blocks per warp
@@ -128,6 +131,8 @@ def fp4_linear_mma_kernel(
     SCALE: gl.constexpr,  # scale_asm(MXFP4)
     X_LAYOUT: gl.constexpr,  # x_layout(BLOCK_M, KH, WARPS)
     EVEN_K: gl.constexpr,  # K_X == K (no padding along K)
+    GROUPED: gl.constexpr,  # axis 1 runs over the tiles of an MoE dispatch plan (one expert each)
+    GATHER: gl.constexpr,  # GROUPED: x rows through row_x_ptr (tokens), else the sorted rows themselves
 ):
     BLOCK_N: gl.constexpr = 16 * RB * WARPS
     BLOCK_K: gl.constexpr = 64 * KH
@@ -150,12 +155,23 @@ def fp4_linear_mma_kernel(
     NRB = (N + 15) // 16
     c_start = pid_k * k_chunks_per_split
     c_end = gl.minimum(c_start + k_chunks_per_split, KC)
+    if GROUPED:  # program axis 1: tile pid_m of the plan, rows [row_start, row_end) of expert e
+        e = gl.load(tile_expert_ptr + pid_m)
+        row_start = gl.load(tile_start_ptr + pid_m)
+        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)  # unused tile: no rows
+        c_end = gl.where(e >= 0, c_end, c_start)  # ... and no K steps
+        rb_base = gl.maximum(e, 0) * NRB  # the expert's first row block in the stacked weight
+    else:
+        row_start = pid_m * BLOCK_M
+        row_end = M
+        rb_base = 0
 
     # pointers at chunk 0; each step adds the chunk offset (a scalar)
     i_rb, i_kc, i_lane, i_kl = _arange4(NB, KH, 32, 4, w_layout)
-    rb = gl.minimum(pid_n * NB + i_rb, NRB - 1)  # rows past N re-read the last block (never stored)
+    rb = rb_base + gl.minimum(pid_n * NB + i_rb, NRB - 1)  # rows past N re-read the last block (never stored)
     w_ptrs = wq_ptr + ((rb.to(gl.int64) * KC + i_kc) * 32 + i_lane) * 4 + i_kl
-    s_rb = gl.minimum(pid_n * NB + gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))), NRB - 1)
+    s_rb = rb_base + gl.minimum(pid_n * NB + gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))),
+                                NRB - 1)
     s_kc = gl.arange(0, KH, layout=gl.SliceLayout(0, gl.SliceLayout(2, s_layout)))
     s_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
     s_blk = gl.expand_dims(gl.expand_dims(s_rb.to(gl.int64) * KC, 1) + gl.expand_dims(s_kc, 0), 2)
@@ -165,8 +181,11 @@ def fp4_linear_mma_kernel(
     else:  # one pair per 16 K: [N/16, K/64, 32]
         s_ptrs = sc_ptr + s_blk * 32 + gl.expand_dims(gl.expand_dims(s_lane, 0), 1)
         S_STEP: gl.constexpr = 32
-    # tokens past M re-read the last token (never stored): no masked loads in the loop
-    offs_m = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout)), M - 1)
+    # rows past the tile re-read its last row (never stored): no masked loads in the loop
+    offs_m = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout)),
+                        gl.maximum(row_end - 1, 0))
+    if GATHER:
+        offs_m = gl.load(row_x_ptr + offs_m)
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     x_ptrs = x_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(offs_k, 0)
 
@@ -206,11 +225,11 @@ def fp4_linear_mma_kernel(
     if HAS_WG:
         out = out * gl.load(wg_ptr)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-    offs_mo = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    offs_mo = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
-    mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_mo < M, 0)
+    mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_mo < row_end, 0)
     rows = gl.expand_dims(offs_mo.to(gl.int64), 0)
-    if SPLIT_K == 1:
+    if SPLIT_K == 1 and not GROUPED:
         if HAS_BIAS:
             bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
             out = out + gl.expand_dims(bias, 1)

@@ -104,19 +104,12 @@ def moe_gemm_kernel(
     # the weight rows this program reads: GEMM 1 takes the gate rows and the up rows of its
     # columns as one [2 * BLOCK_N]-row tile (one MMA; two dot_scaled in one loop break Triton 3.6
     # on SM100), GEMM 2 just its columns
+    gate_rows, up_rows = _gate_up_rows(cols, I_half, SWIGLU, INTERLEAVED)
     if SWIGLU > 0:
-        if INTERLEAVED:
-            gate_rows = 2 * cols
-            up_rows = 2 * cols + 1
-        else:
-            gate_rows = cols
-            up_rows = I_half + cols
         w_rows = tl.reshape(tl.trans(tl.join(gate_rows, up_rows)), (2 * BLOCK_N,))
         w_mask = tl.reshape(tl.trans(tl.join(c_mask, c_mask)), (2 * BLOCK_N,))
         ROWS: tl.constexpr = 2 * BLOCK_N
     else:
-        gate_rows = cols
-        up_rows = cols
         w_rows = cols
         w_mask = c_mask
         ROWS: tl.constexpr = BLOCK_N
@@ -160,6 +153,66 @@ def moe_gemm_kernel(
     scale = FOLD  # the power of two the fast decoder leaves on its products (launcher: fast_fold)
     if ACT != 0:
         scale = scale * tl.load(xg_ptr)
+    _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows, up_rows, wg_ptr, bias_ptr,
+                  row_w_ptr, row_out_ptr, out_ptr, stride_ge, stride_be, stride_om,
+                  SWIGLU, WG_MODE, HAS_BIAS, HAS_RW, SCATTER)
+
+
+@triton.jit
+def moe_partials_epilogue_kernel(
+    part_ptr,  # [SPLIT, R, N_w] fp32 partial sums of W_e @ x^T per sorted row (kernels.linear_mma, grouped)
+    wg_ptr, bias_ptr, row_out_ptr, row_w_ptr,  # as moe_gemm_kernel
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+    out_ptr,  # as moe_gemm_kernel
+    R, N_w, N_out, I_half, stride_ge, stride_be, stride_om,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SWIGLU: tl.constexpr,
+    INTERLEAVED: tl.constexpr, SCATTER: tl.constexpr, HAS_RW: tl.constexpr, WG_MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Grid (cdiv(N_out, BLOCK_N), max_tiles): the epilogue of ``moe_gemm_kernel`` (globals, bias,
+    activation, routing weight, scatter) on partial sums another kernel wrote, added in split
+    order (deterministic). Programs of unused tiles return at once."""
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    e = tl.load(tile_expert_ptr + pid_t)
+    if e < 0:
+        return
+    rows = tl.load(tile_start_ptr + pid_t) + tl.arange(0, BLOCK_M)
+    r_mask = rows < tl.load(tile_end_ptr + pid_t)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < N_out
+    gate_rows, up_rows = _gate_up_rows(cols, I_half, SWIGLU, INTERLEAVED)
+    mask = c_mask[:, None] & r_mask[None, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        base = part_ptr + (s * R + rows[None, :]).to(tl.int64) * N_w
+        acc_g += tl.load(base + gate_rows[:, None], mask=mask, other=0.0)
+        if SWIGLU > 0:
+            acc_u += tl.load(base + up_rows[:, None], mask=mask, other=0.0)
+    _moe_epilogue(acc_g, acc_u, 1.0, e, rows, r_mask, cols, c_mask, gate_rows, up_rows, wg_ptr, bias_ptr,
+                  row_w_ptr, row_out_ptr, out_ptr, stride_ge, stride_be, stride_om,
+                  SWIGLU, WG_MODE, HAS_BIAS, HAS_RW, SCATTER)
+
+
+@triton.jit
+def _gate_up_rows(cols, I_half, SWIGLU: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Weight rows of output columns ``cols``: GEMM 1 (SWIGLU > 0) the gate and the up row (rows j and
+    I + j, or 2j and 2j + 1 when interleaved); GEMM 2 the column itself (twice)."""
+    if SWIGLU > 0:
+        if INTERLEAVED:
+            return 2 * cols, 2 * cols + 1
+        return cols, I_half + cols
+    return cols, cols
+
+
+@triton.jit
+def _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows, up_rows, wg_ptr, bias_ptr,
+                  row_w_ptr, row_out_ptr, out_ptr, stride_ge, stride_be, stride_om,
+                  SWIGLU: tl.constexpr, WG_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RW: tl.constexpr,
+                  SCATTER: tl.constexpr):
+    """Global scales (``scale`` times the expert's or each row's), bias, activation, routing weight,
+    then the store (at the pair row when SCATTER) of a [BLOCK_N, BLOCK_M] tile of one expert."""
     if WG_MODE == 1:
         scale = scale * tl.load(wg_ptr + e)
     g = acc_g * scale

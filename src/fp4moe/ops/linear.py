@@ -320,7 +320,7 @@ def mma_packed(w: FP4Tensor):
 
     packed = getattr(w.data, "_fp4moe_mma", None)
     if packed is None or packed.global_scale is not w.global_scale:
-        if torch.cuda.is_current_stream_capturing():
+        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         packed = pack_mma(w)
         w.data._fp4moe_mma = packed

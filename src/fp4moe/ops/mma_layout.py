@@ -97,7 +97,8 @@ def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
 
 
 def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
-    """The ``FP4Tensor`` that ``p`` holds (codes of zero-scale NVFP4 blocks read back as zeros)."""
+    """The ``FP4Tensor`` that ``p`` holds (codes of zero-scale NVFP4 blocks read back as zeros; an
+    NVFP4 pack without a global scale reads back with global scale 1)."""
     N, K = p.shape
     nb, kcs = p.words.shape[:2]
     Np, Kp = nb * 16, kcs * 64
@@ -112,8 +113,11 @@ def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
     else:
         s = p.scales.reshape(nb, kcs, 8, 2, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 32)
         scales = s[:N, :K // 32].contiguous()
-    return FP4Tensor(data=pack_fp4(codes.contiguous()), scales=scales.contiguous(), global_scale=p.global_scale, shape=torch.Size((N, K)),
-                     fmt=p.fmt)
+    gs = p.global_scale
+    if gs is None and p.fmt is NVFP4:  # packed without its global (grouped experts): code x block scale
+        gs = torch.ones(1, dtype=torch.float32, device=p.device)
+    return FP4Tensor(data=pack_fp4(codes.contiguous()), scales=scales.contiguous(), global_scale=gs,
+                     shape=torch.Size((N, K)), fmt=p.fmt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +187,42 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132) -> MMAConfig:
     return MMAConfig(rb=rb, warps=4, kh=kh, block_m=block_m, split_k=split)
 
 
+def _split(config: MMAConfig, chunks: int) -> tuple[int, int, int]:
+    """(kh, splits, 64-K chunks per split) for ``config`` on a weight of ``chunks`` 64-K chunks."""
+    kh = _fit_kh(config.kh, chunks)
+    steps = chunks // kh
+    split = min(config.split_k, steps)
+    per_split = -(-steps // split) * kh
+    return kh, -(-chunks // per_split), per_split
+
+
+def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
+            gather: bool = False, stride_ym: int = 0):
+    """The one launch of ``fp4_linear_mma_kernel`` (plain, or GROUPED over an MoE plan's tiles)."""
+    import triton
+
+    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kernel, scale_asm, x_layout
+
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"x: the MMA-layout kernel takes bfloat16 activations, got {x2.dtype}")
+    chunks = p.words.shape[1]
+    kh, split, per_split = _split(config, chunks)
+    mx = p.fmt is not NVFP4
+    unused = p.scales  # pointer arguments a variant does not read (Triton needs a tensor)
+    tiles = (plan.tile_expert, plan.tile_start, plan.tile_end) if plan is not None else (unused,) * 3
+    fp4_linear_mma_kernel[(triton.cdiv(N, config.block_n), grid_m, split)](
+        p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
+        bias if bias is not None else unused, target, *tiles, plan.sorted_token if gather else unused,
+        M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), stride_ym, per_split,
+        RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
+        HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
+        FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
+        X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
+        GROUPED=plan is not None, GATHER=gather, num_warps=config.warps,
+    )
+    return split
+
+
 def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
                       config: MMAConfig) -> torch.Tensor:
     """One launch: ``out[M, N] = x2[M, K] @ W^T (+ bias)``; x2 bf16 with unit stride along K,
@@ -190,33 +230,31 @@ def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | No
     import triton
 
     from ..kernels.linear import splitk_reduce_kernel
-    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kernel, scale_asm, x_layout
 
-    if x2.dtype != torch.bfloat16:
-        raise TypeError(f"x: the MMA-layout kernel takes bfloat16 activations, got {x2.dtype}")
-    M, K = x2.shape
+    M = x2.shape[0]
     N = p.shape[0]
-    chunks = p.words.shape[1]
-    kh = _fit_kh(config.kh, chunks)
-    steps = chunks // kh
-    split = min(config.split_k, steps)
-    per_split = -(-steps // split) * kh
-    split = -(-chunks // per_split)
+    split = _split(config, p.words.shape[1])[1]
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
-    mx = p.fmt is not NVFP4
-    wg = p.global_scale if p.global_scale is not None else p.scales
-    bias_arg = bias if bias is not None else out
-    grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m), split)
-    fp4_linear_mma_kernel[grid](
-        p.words, p.scales.view(torch.int16), x2, wg, bias_arg, target,
-        M, N, chunks * KCHUNK, K, x2.stride(0), out.stride(0), per_split,
-        RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
-        HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
-        FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
-        X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == K, num_warps=config.warps,
-    )
+    _launch(x2, p, bias, target, M, N, config, triton.cdiv(M, config.block_m), stride_ym=out.stride(0))
     if split > 1:
         splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
-            target, bias_arg, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=1024, HAS_BIAS=bias is not None,
-            num_warps=4)
+            target, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=1024,
+            HAS_BIAS=bias is not None, num_warps=4)
     return out
+
+
+def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, config: MMAConfig, *,
+                       gather: bool) -> torch.Tensor:
+    """Partial sums ``part[s, r, :] = W_e @ x[row(r)]`` over the K share of split s, for every sorted
+    row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``), e the
+    row's expert. ``p`` packs the experts' weights stacked [E * n_per_expert, K] without global
+    scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32."""
+    if plan.block_m != config.block_m:
+        raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if p.global_scale is not None:
+        raise ValueError("p: grouped weights are packed without global scales")
+    R = plan.sorted_pair.shape[0]
+    split = _split(config, p.words.shape[1])[1]
+    part = torch.empty((split, R, n_per_expert), dtype=torch.float32, device=x2.device)
+    _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather)
+    return part

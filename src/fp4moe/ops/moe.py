@@ -14,7 +14,7 @@ import torch
 from .. import guard
 from ..quantize import FP4Tensor, dequantize
 from .dispatch import DispatchPlan, dispatch
-from ._runtime import fast_decode, fast_fold, mma_dtype
+from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
@@ -236,7 +236,13 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
     if configs is None:
         from .linear import device_arch
 
-        configs = choose_moe_configs(T, k, E, H, I, arch=device_arch(x.device), mode=mode)
+        arch = device_arch(x.device)
+        if _use_mma_layout(x, w13, w2, mode, arch, T * k / E):
+            packed = (mma_packed_experts(w13), mma_packed_experts(w2))
+            if None not in packed:
+                return _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias,
+                                    w2_bias, shared_out, out)
+        configs = choose_moe_configs(T, k, E, H, I, arch=arch, mode=mode)
     g1, g2 = configs
     if g1.block_m != g2.block_m:
         raise ValueError(f"configs: both GEMMs must share block_m (one dispatch plan), got {g1.block_m} and {g2.block_m}")
@@ -280,7 +286,117 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
 
 
-def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False):
+# ----------------------------------------------------------------------------------------------
+# decode on weights in MMA operand order (kernels.linear_mma, grouped over the dispatch plan)
+
+
+def _use_mma_layout(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: str, arch, rows_per_expert: float) -> bool:
+    """Decode-sized W4A16 layers with bf16 activations on compiled CUDA (any catalogued GPU: SM80 on
+    has mma.sync) run the experts' GEMMs on the MMA-layout kernel; the rest on ``moe_gemm_kernel``."""
+    from .mma_layout import MAX_M, ROWS
+
+    return (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None
+            and rows_per_expert <= MAX_M and w13.shape[1] % ROWS == 0 and w2.shape[1] % ROWS == 0)
+
+
+def mma_packed_experts(w: FP4Tensor):
+    """Stacked expert weights [E, N, K] packed as one [E * N, K] weight in MMA operand order, without
+    global scales (the MoE epilogue applies them per expert or per row); kept with the weight's
+    storage like ``ops.linear.mma_packed``. None while a CUDA graph is captured and no pack exists."""
+    from dataclasses import replace
+
+    from .mma_layout import pack_mma
+
+    packed = getattr(w.data, "_fp4moe_mma", None)
+    if packed is None:
+        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        E, N, K = w.shape
+        ones = torch.ones(1, dtype=torch.float32, device=w.device) if w.global_scale is not None else None
+        flat = FP4Tensor(w.data.reshape(E * N, K // 2), w.scales.reshape(E * N, -1), ones, torch.Size((E * N, K)),
+                         w.fmt)
+        packed = replace(pack_mma(flat), global_scale=None)
+        w.data._fp4moe_mma = packed
+    return packed
+
+
+def mma_moe_config(rows_per_expert: float):
+    """One configuration for both grouped GEMMs: tiles of 8 rows (16 past 4 rows per expert), 64
+    weight rows and 256 K per step; no K split (the active experts' row blocks fill the GPU)."""
+    from .mma_layout import MMAConfig
+
+    return MMAConfig(rb=1, warps=4, kh=4, block_m=8 if rows_per_expert <= 4 else 16, split_k=1)
+
+
+def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
+                             interleaved: bool, scatter: bool, row_weight: torch.Tensor | None,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    """``moe_gemm_kernel``'s epilogue on the grouped partial sums ``part`` [splits, R, N_w]."""
+    import triton
+
+    from ..kernels.moe import moe_partials_epilogue_kernel
+
+    N_w = w.shape[1]
+    n_out = N_w // 2 if swiglu else N_w
+    wg, wg_mode = _weight_globals(w)
+    unused = plan.sorted_pair  # pointer arguments a variant does not read
+    block_n = 64
+    moe_partials_epilogue_kernel[(triton.cdiv(n_out, block_n), plan.max_tiles)](
+        part, wg if wg is not None else unused, bias if bias is not None else unused, plan.sorted_pair,
+        row_weight if row_weight is not None else unused, plan.tile_expert, plan.tile_start, plan.tile_end, out,
+        part.shape[1], N_w, n_out, N_w // 2, wg.stride(0) if wg_mode == 2 else 0,
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        SPLIT=part.shape[0], BLOCK_N=block_n, BLOCK_M=plan.block_m, SWIGLU=swiglu, INTERLEAVED=interleaved,
+        SCATTER=scatter, HAS_RW=row_weight is not None, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4)
+    return out
+
+
+def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, k, activation, interleaved, w13_bias, w2_bias,
+             shared_out, out):
+    """GEMM 1 partials -> epilogue (globals, bias, SwiGLU) -> GEMM 2 partials -> epilogue (routing
+    weight, scatter to pair rows) -> combine. ``plan.block_m`` is the configuration's."""
+    from .mma_layout import launch_grouped_mma
+
+    T, H = x.shape
+    E, I = w13.shape[0], w2.shape[2]
+    cfg = mma_moe_config(T * k / E)
+    p13, p2 = packed
+    part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved, scatter=False,
+                             row_weight=None, bias=w13_bias)
+    part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False)
+    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
+    launch_partials_epilogue(part, w2, plan, y_pair, swiglu=0, interleaved=False, scatter=True, row_weight=row_w,
+                             bias=w2_bias)
+    return launch_combine(y_pair, topk_ids, k, shared_out, out, E)
+
+
+def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias, w2_bias,
+                 shared_out, out):
+    T = x.shape[0]
+    E = w13.shape[0]
+    cfg = mma_moe_config(T * k / E)
+    layout = "interleaved" if interleaved else "gate_up"
+    wg_mode = _weight_globals(w13)[1]
+    has_bias = w13_bias is not None or w2_bias is not None
+    variant = f"{w13.fmt},{activation},{layout},wg{wg_mode}" + (",bias" if has_bias else "")
+    key = guard.GuardKey(kernel=f"fp4_moe_mma[{variant}]", config=str(cfg), device=guard.device_name(x.device))
+    if guard.should_check(key):
+        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, "w4a16", None,
+                                        per_row=wg_mode == 2, bias=has_bias, mma_block_m=cfg.block_m),
+                    tolerance="fp4_moe")
+    if guard.use_reference(key):
+        return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
+                                 w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
+    plan = dispatch(topk_ids, E, cfg.block_m)
+    return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, k, activation, interleaved, w13_bias, w2_bias,
+                    shared_out, out)
+
+
+def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
+           mma_block_m: int | None = None):
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
     biases, one dropped slot), and its reference."""
     from ..quantize import quantize, quantize_stacked
@@ -299,9 +415,14 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
     wts = torch.rand(T, k, generator=g).to(device) * (ids >= 0)
     b13 = torch.randn(E, 2 * I, generator=g).to(device=device, dtype=dtype) if bias else None
     b2 = torch.randn(E, H, generator=g).to(device=device, dtype=dtype) if bias else None
-    plan = dispatch(ids, E, configs[0].block_m)
-    out = _run(x, w13, w2, ids, wts, plan, configs, k, _act_code(mode, w13, device), activation, interleaved, b13, b2,
-               None, None, torch.empty((T, H), dtype=dtype, device=device))
+    out = torch.empty((T, H), dtype=dtype, device=device)
+    if mma_block_m is not None:  # the MMA-layout path (its tile height decides the plan)
+        packed = (mma_packed_experts(w13), mma_packed_experts(w2))
+        out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, mma_block_m), k, activation, interleaved, b13, b2,
+                       None, out)
+    else:
+        out = _run(x, w13, w2, ids, wts, dispatch(ids, E, configs[0].block_m), configs, k,
+                   _act_code(mode, w13, device), activation, interleaved, b13, b2, None, None, out)
     return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved, mode=mode,
                                   w13_bias=b13, w2_bias=b2)
 
