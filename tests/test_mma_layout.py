@@ -228,7 +228,7 @@ def test_gpu_fp4_linear_routes_decode_to_mma_layout_and_graphs_work():
 @pytest.mark.parametrize("activation,interleaved,per_row,bias", [("silu", False, False, False),
                                                                   ("silu", False, True, True),
                                                                   ("gpt_oss", True, False, True)])
-@pytest.mark.parametrize("T", [1, 5, 16])
+@pytest.mark.parametrize("T", [1, 5, 16, 48])
 def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bias, T):
     """fp4_moe_experts routes decode-sized W4A16 layers to the grouped MMA-layout kernel: same
     numbers as the reference, dropped slots skipped, deterministic."""
@@ -305,8 +305,8 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     monkeypatch.setattr(mma_layout, "launch_grouped_mma", emulated)
     packed = (mma_packed_experts(w13), mma_packed_experts(w2))
     cfg = mma_moe_config(T * k / E)
-    out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), k, activation, interleaved, b13, b2,
-                   None, torch.empty(T, H, dtype=torch.bfloat16))
+    out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation, interleaved, b13,
+                   b2, None, torch.empty(T, H, dtype=torch.bfloat16))
     ref = fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved,
                             w13_bias=b13, w2_bias=b2).float()
     assert torch.isfinite(out.float()).all()

@@ -351,15 +351,15 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
     return out
 
 
-def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, k, activation, interleaved, w13_bias, w2_bias,
+def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
              shared_out, out):
     """GEMM 1 partials -> epilogue (globals, bias, SwiGLU) -> GEMM 2 partials -> epilogue (routing
-    weight, scatter to pair rows) -> combine. ``plan.block_m`` is the configuration's."""
+    weight, scatter to pair rows) -> combine, with ``cfg`` (an ``MMAConfig``) for both GEMMs; the
+    plan was made for ``cfg.block_m``."""
     from .mma_layout import launch_grouped_mma
 
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
-    cfg = mma_moe_config(T * k / E)
     p13, p2 = packed
     part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
@@ -385,18 +385,18 @@ def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, inte
     key = guard.GuardKey(kernel=f"fp4_moe_mma[{variant}]", config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
         guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, "w4a16", None,
-                                        per_row=wg_mode == 2, bias=has_bias, mma_block_m=cfg.block_m),
+                                        per_row=wg_mode == 2, bias=has_bias, mma_config=cfg),
                     tolerance="fp4_moe")
     if guard.use_reference(key):
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
                                  w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
     plan = dispatch(topk_ids, E, cfg.block_m)
-    return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, k, activation, interleaved, w13_bias, w2_bias,
+    return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
                     shared_out, out)
 
 
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
-           mma_block_m: int | None = None):
+           mma_config=None):
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
     biases, one dropped slot), and its reference."""
     from ..quantize import quantize, quantize_stacked
@@ -416,10 +416,10 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
     b13 = torch.randn(E, 2 * I, generator=g).to(device=device, dtype=dtype) if bias else None
     b2 = torch.randn(E, H, generator=g).to(device=device, dtype=dtype) if bias else None
     out = torch.empty((T, H), dtype=dtype, device=device)
-    if mma_block_m is not None:  # the MMA-layout path (its tile height decides the plan)
+    if mma_config is not None:  # the MMA-layout path, with the caller's configuration
         packed = (mma_packed_experts(w13), mma_packed_experts(w2))
-        out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, mma_block_m), k, activation, interleaved, b13, b2,
-                       None, out)
+        out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, mma_config.block_m), mma_config, k, activation,
+                       interleaved, b13, b2, None, out)
     else:
         out = _run(x, w13, w2, ids, wts, dispatch(ids, E, configs[0].block_m), configs, k,
                    _act_code(mode, w13, device), activation, interleaved, b13, b2, None, None, out)
