@@ -56,9 +56,14 @@ class MMAPackedFP4:
                             None if self.global_scale is None else self.global_scale.to(device), self.shape, self.fmt)
 
 
+#: weight rows re-ordered per step of ``pack_mma``: bounds its temporaries (~12 bytes per value of
+#: a step) whatever the weight's size (a GLM-5 layer's experts hold 6.4 G values)
+PACK_ROWS = 4096
+
+
 def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
-    """Re-order a 2-D FP4 weight [N, K] into MMA operand order (any device; one pass). Checks the
-    scales with one host sync: call it when weights are loaded, not per call."""
+    """Re-order a 2-D FP4 weight [N, K] into MMA operand order (any device; PACK_ROWS rows at a
+    time). Checks the scales with one host sync: call it when weights are loaded, not per call."""
     if not isinstance(w, FP4Tensor):
         raise TypeError(f"w: expected an FP4Tensor, got {type(w).__name__}")
     if len(w.shape) != 2:
@@ -66,34 +71,47 @@ def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
     if w.global_scale is not None and w.global_scale.numel() != 1:
         raise ValueError("w: the MMA layout takes one global scale per weight")
     N, K = w.shape
-    group = w.fmt.block_size
     Np, Kp = -(-N // ROWS) * ROWS, -(-K // KCHUNK) * KCHUNK
-    codes = unpack_fp4(w.data)
     sbits = w.scales.view(torch.uint8)
     if w.fmt is NVFP4:
         if bool(((sbits & 0x7F) == 0x7F).any()):
             raise ValueError("w: NVFP4 scales contain NaN (E4M3 0x7F)")
-        zero_block = (sbits & 0x7F) == 0
-        codes = codes.masked_fill(zero_block.repeat_interleave(group, dim=1), 0)
-        scodes = e4m3_to_e5m3(sbits)
     else:
         check_weight_scale_range(w, "w")  # the decoder folds 2**100 into E8M0 scales, as the Triton one
-        scodes = sbits
-    codes = torch.nn.functional.pad(codes, (0, Kp - K, 0, Np - N))
-    fill = 0 if w.fmt is NVFP4 else 127
-    scodes = torch.nn.functional.pad(scodes, (0, (Kp - K) // group, 0, Np - N), value=fill)
+    words = torch.empty((Np // 16, Kp // 64, 32, 4), dtype=torch.int32, device=w.device)
+    scales = torch.empty((Np // 16, Kp // 64) + ((32, 2) if w.fmt is NVFP4 else (8, 4)), dtype=torch.uint8,
+                         device=w.device)
+    for r0 in range(0, N, PACK_ROWS):
+        r1 = min(r0 + PACK_ROWS, N)
+        words[r0 // 16:-(-r1 // 16)], scales[r0 // 16:-(-r1 // 16)] = _pack_rows(w.data[r0:r1], sbits[r0:r1], w.fmt, Kp)
+    return MMAPackedFP4(words, scales, w.global_scale, torch.Size((N, K)), w.fmt)
 
+
+def _pack_rows(data: torch.Tensor, sbits: torch.Tensor, fmt: FP4Format, Kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Words and scale codes of ``data`` rows (packed bytes) and their scale bits, padded to 16 rows
+    and Kp columns."""
+    n, K = data.shape[0], data.shape[1] * 2
+    group = fmt.block_size
+    npad = -(-n // ROWS) * ROWS
+    codes = unpack_fp4(data)
+    if fmt is NVFP4:  # a zero scale has no E5M3 code: its block's values are zero, so are its codes
+        codes = codes.masked_fill(((sbits & 0x7F) == 0).repeat_interleave(group, dim=1), 0)
+        scodes = e4m3_to_e5m3(sbits)
+    else:
+        scodes = sbits
+    codes = torch.nn.functional.pad(codes, (0, Kp - K, 0, npad - n))
+    scodes = torch.nn.functional.pad(scodes, (0, (Kp - K) // group, 0, npad - n), value=0 if fmt is NVFP4 else 127)
     # stored K (kc, t, kl, i2, i0) -> [rb, kc, g, t, kl, i0, i2, i1]: nibble p = 4 i0 + 2 i2 + i1
-    c = codes.reshape(Np // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
-    c = c.reshape(Np // 16, Kp // 64, 32, 4, 8).to(torch.int64)
+    c = codes.reshape(npad // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
+    c = c.reshape(npad // 16, Kp // 64, 32, 4, 8).to(torch.int64)
     shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int64)
     words = (c << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    if w.fmt is NVFP4:  # lane (g, t) owns K group t of the chunk: [rb, i1, g, kc, t] -> [rb, kc, g, t, i1]
-        s = scodes.reshape(Np // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).reshape(Np // 16, Kp // 64, 32, 2)
+    if fmt is NVFP4:  # lane (g, t) owns K group t of the chunk: [rb, i1, g, kc, t] -> [rb, kc, g, t, i1]
+        s = scodes.reshape(npad // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).reshape(npad // 16, Kp // 64, 32, 2)
     else:  # one scale per 32 K, group t // 2: [rb, i1, g, kc, th] -> [rb, kc, g, th, i1]
-        s = scodes.reshape(Np // 16, 2, 8, Kp // 64, 2).permute(0, 3, 2, 4, 1).reshape(Np // 16, Kp // 64, 8, 4)
-    return MMAPackedFP4(words.contiguous(), s.contiguous(), w.global_scale, torch.Size((N, K)), w.fmt)
+        s = scodes.reshape(npad // 16, 2, 8, Kp // 64, 2).permute(0, 3, 2, 4, 1).reshape(npad // 16, Kp // 64, 8, 4)
+    return words, s
 
 
 def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
