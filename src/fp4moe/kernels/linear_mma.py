@@ -96,6 +96,26 @@ def _arange4(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.conste
     return i0, i1, i2, i3
 
 
+@gluon.jit
+def decode_a_operand(w, s, NB: gl.constexpr, KH: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
+                     a_layout: gl.constexpr):
+    """Packed words [NB, KH, 32, 4] (16-row blocks, 64-K chunks, lane, word) and their scale pairs
+    [NB, KH, 32] -> the bf16 A operand [16 NB, 64 KH] (MMA K order) in ``a_layout``: the decoded
+    registers already are the operand (mma.sync's A fragments; wgmma's register A has the same
+    per-warp layout), which the conversion asserts."""
+    sg, sh = gl.inline_asm_elementwise(SCALE, "=r,=r,h", [s], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    sg, _ = gl.broadcast(gl.expand_dims(sg, 3), w)
+    sh, _ = gl.broadcast(gl.expand_dims(sh, 3), w)
+    o000, o001, o010, o011, o100, o101, o110, o111 = gl.inline_asm_elementwise(
+        DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, sg, sh],
+        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    v = gl.join(gl.join(gl.join(o000, o001), gl.join(o010, o011)),
+                gl.join(gl.join(o100, o101), gl.join(o110, o111)))  # [NB, KH, 32, 4, i0, i1, i2]
+    v = gl.reshape(v, [NB, KH, 8, 4, 4, 2, 2, 2])  # lane -> (g, t)
+    v = gl.permute(v, [0, 6, 2, 1, 4, 7, 3, 5])  # [rb, i1, g, kc, kl, i2, t, i0]
+    return gl.convert_layout(gl.reshape(v, [16 * NB, 64 * KH]), a_layout, assert_trivial=True)
+
+
 def x_layout(block_m: int, kh: int, warps: int) -> gl.DistributedLinearLayout:
     """x tile [block_m, 64 kh] in stored K order: lane 4g + t reads token g (+ 8 per register
     repeat) and the 16 consecutive K at 16t of each 64-K chunk (two 16-byte loads); replicated
@@ -201,17 +221,7 @@ def fp4_linear_mma_kernel(
         c_next = gl.minimum(c0 + KH, c_end - KH)
         w_next = gl.load(w_ptrs + c_next * 128)
         s_next = gl.load(s_ptrs + c_next * S_STEP)
-        sg, sh = gl.inline_asm_elementwise(SCALE, "=r,=r,h", [s], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-        sg, _ = gl.broadcast(gl.expand_dims(sg, 3), w)
-        sh, _ = gl.broadcast(gl.expand_dims(sh, 3), w)
-        o000, o001, o010, o011, o100, o101, o110, o111 = gl.inline_asm_elementwise(
-            DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, sg, sh],
-            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-        v = gl.join(gl.join(gl.join(o000, o001), gl.join(o010, o011)),
-                    gl.join(gl.join(o100, o101), gl.join(o110, o111)))  # [NB, KH, 32, 4, i0, i1, i2]
-        v = gl.reshape(v, [NB, KH, 8, 4, 4, 2, 2, 2])  # lane -> (g, t)
-        v = gl.permute(v, [0, 6, 2, 1, 4, 7, 3, 5])  # [rb, i1, g, kc, kl, i2, t, i0]
-        wd = gl.convert_layout(gl.reshape(v, [BLOCK_N, BLOCK_K]), a_layout, assert_trivial=True)
+        wd = decode_a_operand(w, s, NB, KH, DECODE, SCALE, a_layout)
         # x from stored K order (kc, t, kl, i2, i0) to MMA order (kc, kl, i2, t, i0)
         xb = gl.permute(gl.reshape(xt, [BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 3, 4, 2, 5])
         xb = gl.convert_layout(gl.permute(gl.reshape(xb, [BLOCK_M, BLOCK_K]), [1, 0]), b_layout, assert_trivial=True)

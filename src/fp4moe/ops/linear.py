@@ -302,13 +302,16 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
 
 
 def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor, path: Path, arch: Arch | None, M: int) -> bool:
-    """Decode-sized W4A16 with bf16 activations on compiled CUDA runs the MMA-layout kernel
-    (``ops.mma_layout``; mma.sync, which every catalogued architecture, SM80 on, has); everything
-    else the Triton kernel."""
-    from .mma_layout import MAX_M
+    """W4A16 with bf16 activations on compiled CUDA runs on the weights in MMA operand order
+    (``ops.mma_layout``): decode (M <= MAX_M) on the mma.sync kernel, which every catalogued
+    architecture, SM80 on, has; prefill (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel. The rest
+    (M in between, other architectures' prefill, W4A4, fp16) on the Triton kernel."""
+    from .mma_layout import MAX_M, WGMMA_MIN_M
 
-    return (path == "w4a16" and x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting()
-            and arch is not None and M <= MAX_M and len(w.shape) == 2)
+    if not (path == "w4a16" and x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting()
+            and arch is not None and len(w.shape) == 2):
+        return False
+    return M <= MAX_M or (M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma")
 
 
 def mma_packed(w: FP4Tensor):
@@ -328,28 +331,38 @@ def mma_packed(w: FP4Tensor):
 
 
 def _forward_mma(x, x2, w, packed, bias, out, M, N, sm_count):
-    from .mma_layout import choose_mma_config, launch_linear_mma
+    """Decode (mma.sync kernel) or, on SM90 at prefill, the wgmma kernel, on the packed weights."""
+    from .mma_layout import MAX_M, choose_mma_config, choose_wgmma_config, launch_linear_mma, launch_linear_wgmma
 
-    cfg = choose_mma_config(M, N, w.shape[1], sm_count or 132)
-    key = guard.GuardKey(kernel=f"fp4_linear_mma[{w.fmt},bfloat16]", config=str(cfg), device=guard.device_name(x.device))
+    if M <= MAX_M:
+        cfg = choose_mma_config(M, N, w.shape[1], sm_count or 132)
+        kernel, launch = "fp4_linear_mma", launch_linear_mma
+    else:
+        cfg = choose_wgmma_config(M, N, w.shape[1])
+        kernel, launch = "fp4_linear_wgmma", launch_linear_wgmma
+    key = guard.GuardKey(kernel=f"{kernel}[{w.fmt},bfloat16]", config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
         guard.check(key, lambda: _probe_mma(x.device, w.fmt, cfg))
     if guard.use_reference(key):
         return fp4_linear_reference(x2, w, bias)
-    return launch_linear_mma(x2, packed, bias, out, cfg)
+    return launch(x2, packed, bias, out, cfg)
 
 
 def _probe_mma(device: torch.device, fmt: FP4Format, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """A small problem through the MMA-layout kernel with ``cfg``, and its reference."""
-    from .mma_layout import launch_linear_mma, pack_mma
+    """A small problem through the packed-layout kernel of ``cfg`` (an ``MMAConfig`` or a
+    ``WgmmaConfig``), and its reference: more than one program along N, K not a multiple of 64."""
+    from .mma_layout import MMAConfig, launch_linear_mma, launch_linear_wgmma, pack_mma
 
     g = torch.Generator(device="cpu").manual_seed(1234)
-    M, N, K = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k
+    if isinstance(cfg, MMAConfig):
+        M, N, K, launch = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k, launch_linear_mma
+    else:
+        M, N, K, launch = cfg.block_m + 3, 32 * cfg.warps + 16, 4 * 64 + 32, launch_linear_wgmma
     x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.bfloat16)
     w = quantize(torch.randn(N, K, generator=g), fmt).to(device)
     bias = torch.randn(N, generator=g).to(device=device, dtype=torch.bfloat16)
     out = torch.empty((M, N), dtype=torch.bfloat16, device=device)
-    launch_linear_mma(x, pack_mma(w), bias, out, cfg)
+    launch(x, pack_mma(w), bias, out, cfg)
     return out, fp4_linear_reference(x, w, bias)
 
 

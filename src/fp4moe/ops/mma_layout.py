@@ -276,3 +276,120 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     part = torch.empty((split, R, n_per_expert), dtype=torch.float32, device=x2.device)
     _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather)
     return part
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill on Hopper: wgmma with the weights as the register operand (kernels.gemm_wgmma)
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Launch parameters of ``fp4_gemm_wgmma_kernel``: ``warps`` 4 or 8 (one or two warpgroups,
+    32 * warps weight rows per program), ``block_m`` activation rows per program (the wgmma N
+    side), ``stages`` activation ring depth, ``group_m`` activation tiles per raster group (plain
+    linear only)."""
+
+    block_m: int = 128
+    stages: int = 4
+    group_m: int = 8
+    warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (64, 128):
+            raise ValueError(f"WgmmaConfig.block_m: expected 64 or 128, got {self.block_m}")
+        if not 3 <= self.stages <= 8:
+            raise ValueError(f"WgmmaConfig.stages: expected 3..8, got {self.stages}")
+        if self.warps not in (4, 8):
+            raise ValueError(f"WgmmaConfig.warps: expected 4 or 8, got {self.warps}")
+        if not 1 <= self.group_m <= 64:
+            raise ValueError(f"WgmmaConfig.group_m: expected 1..64, got {self.group_m}")
+
+    def __str__(self) -> str:
+        return f"wgmma_n{32 * self.warps}_m{self.block_m}_s{self.stages}_g{self.group_m}"
+
+
+#: the smallest batch the plain linear runs on the wgmma kernel (SM90); below it the Triton kernel
+WGMMA_MIN_M = 128
+
+
+def choose_wgmma_config(M: int, N: int, K: int) -> WgmmaConfig:
+    """From the H200 sweep (scripts/try_wgmma.py, GLM-5 shapes, M = 4096): two warpgroups (256
+    weight rows per program) for wide weights (N >= 8192), one (128 rows, two programs per SM)
+    below; 128 activation rows, a 4-deep ring (deeper rings measured slower)."""
+    return WgmmaConfig(block_m=128, stages=4, group_m=8, warps=8 if N >= 8192 else 4)
+
+
+def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
+    """bf16 activations [rows, K] as int32 pairs (the kernel copies pairs into MMA K order)."""
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"x: the wgmma kernel takes bfloat16 activations, got {x2.dtype}")
+    if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.shape[1] % 2 or x2.data_ptr() % 4:
+        x2 = x2.contiguous()
+    if x2.shape[0] * x2.stride(0) >= 2**32:
+        raise ValueError(f"x: {tuple(x2.shape)} has 2**31 bf16 pairs or more (the kernel's offsets are int32)")
+    return x2.view(torch.int32)
+
+
+def _wgmma_consts(p: MMAPackedFP4) -> dict:
+    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
+
+    mx = p.fmt is not NVFP4
+    return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx))
+
+
+def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
+                        config: WgmmaConfig = WgmmaConfig()) -> torch.Tensor:
+    """``out[M, N] = x2[M, K] @ W^T (+ bias)`` in one launch on SM90 (wgmma; compiled CUDA only)."""
+    import triton
+
+    from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
+
+    M, N = x2.shape[0], p.shape[0]
+    xp = _x_pairs(x2)
+    chunks = p.words.shape[1]
+    tiles_m = triton.cdiv(M, config.block_m)
+    unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
+    fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, 32 * config.warps),)](
+        p.words, p.scales.view(torch.int16), xp, p.global_scale if p.global_scale is not None else unused,
+        bias if bias is not None else unused, out, unused, unused, unused, unused, unused, unused,
+        M, N, chunks * KCHUNK, x2.shape[1], xp.stride(0), out.stride(0), 0, 0, tiles_m,
+        BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
+        HAS_BIAS=bias is not None, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, GROUPED=False, GATHER=False, SCATTER=False,
+        HAS_RW=False, GROUP_M=config.group_m, WARPS=config.warps, num_warps=config.warps, **_wgmma_consts(p))
+    return out
+
+
+def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, out: torch.Tensor,
+                         config: WgmmaConfig, *, gather: bool, swiglu: int = 0, alpha: float = 0.0,
+                         limit: float = 0.0, globals_: tuple[torch.Tensor | None, int] = (None, 0),
+                         bias: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
+                         scatter: bool = False) -> torch.Tensor:
+    """One launch over an MoE dispatch plan (its block_m must be ``config.block_m``): GEMM 1
+    (``swiglu`` > 0: gate rows then up rows per expert, n_per_expert = 2I; writes h [R, I]) or
+    GEMM 2 (routing weight per sorted row, ``scatter`` to the pair rows), with the experts' globals
+    ``globals_`` = (tensor, mode) as ``ops.moe._weight_globals`` and bias [E, n_per_expert]."""
+    import triton
+
+    from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
+
+    if plan.block_m != config.block_m:
+        raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if p.global_scale is not None:
+        raise ValueError("p: grouped weights are packed without global scales")
+    if swiglu and n_per_expert % 32:
+        raise ValueError(f"n_per_expert: the fused activation needs 2I a multiple of 32, got {n_per_expert}")
+    xp = _x_pairs(x2)
+    wg, wg_mode = globals_
+    n_out = n_per_expert // 2 if swiglu else n_per_expert
+    unused = plan.sorted_pair
+    fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, 16 * config.warps * (1 if swiglu else 2)),)](
+        p.words, p.scales.view(torch.int16), xp, wg if wg is not None else unused,
+        bias if bias is not None else unused, out, plan.tile_expert, plan.tile_start, plan.tile_end,
+        plan.sorted_token if gather else unused, plan.sorted_pair if scatter else unused,
+        row_weight if row_weight is not None else unused,
+        plan.sorted_pair.shape[0], n_per_expert, p.words.shape[1] * KCHUNK, x2.shape[1], xp.stride(0), out.stride(0),
+        wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0, plan.max_tiles,
+        BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        ALPHA=alpha, LIMIT=limit, GROUPED=True, GATHER=gather, SCATTER=scatter, HAS_RW=row_weight is not None,
+        GROUP_M=1, WARPS=config.warps, num_warps=config.warps, **_wgmma_consts(p))
+    return out

@@ -18,6 +18,9 @@ from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
+#: gpt-oss's clamped SwiGLU: clamp(g, max=LIMIT) * sigmoid(ALPHA g) * (clamp(u, -LIMIT, LIMIT) + 1)
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
 
 
 @dataclass(frozen=True)
@@ -237,11 +240,12 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
         from .linear import device_arch
 
         arch = device_arch(x.device)
-        if _use_mma_layout(x, w13, w2, mode, arch, T * k / E):
+        packed_cfg = packed_layout_config(x, w13, w2, mode, arch, T * k / E, interleaved)
+        if packed_cfg is not None:
             packed = (mma_packed_experts(w13), mma_packed_experts(w2))
             if None not in packed:
                 return _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias,
-                                    w2_bias, shared_out, out)
+                                    w2_bias, shared_out, out, packed_cfg)
         configs = choose_moe_configs(T, k, E, H, I, arch=arch, mode=mode)
     g1, g2 = configs
     if g1.block_m != g2.block_m:
@@ -290,13 +294,23 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
 # decode on weights in MMA operand order (kernels.linear_mma, grouped over the dispatch plan)
 
 
-def _use_mma_layout(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: str, arch, rows_per_expert: float) -> bool:
-    """Decode-sized W4A16 layers with bf16 activations on compiled CUDA (any catalogued GPU: SM80 on
-    has mma.sync) run the experts' GEMMs on the MMA-layout kernel; the rest on ``moe_gemm_kernel``."""
+def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: str, arch, rows_per_expert: float,
+                         interleaved: bool):
+    """The configuration of the kernels on weights in MMA operand order (``ops.mma_layout``), or None
+    for ``moe_gemm_kernel``. W4A16 with bf16 activations on compiled CUDA: decode-sized layers (<=
+    MAX_M rows per expert) on the mma.sync kernel (every catalogued GPU, SM80 on, has it): an
+    ``MMAConfig``; larger ones on SM90 on the wgmma kernel with the activation fused into GEMM 1
+    (gate rows then up rows; I a multiple of 16): a ``WgmmaConfig``."""
     from .mma_layout import MAX_M, ROWS
 
-    return (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None
-            and rows_per_expert <= MAX_M and w13.shape[1] % ROWS == 0 and w2.shape[1] % ROWS == 0)
+    if not (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None
+            and w13.shape[1] % ROWS == 0 and w2.shape[1] % ROWS == 0):
+        return None
+    if rows_per_expert <= MAX_M:
+        return mma_moe_config(rows_per_expert)
+    if arch.bf16_mma == "wgmma" and not interleaved and w13.shape[1] % 32 == 0:
+        return wgmma_moe_config(rows_per_expert)
+    return None
 
 
 def mma_packed_experts(w: FP4Tensor):
@@ -326,6 +340,17 @@ def mma_moe_config(rows_per_expert: float):
     from .mma_layout import MMAConfig
 
     return MMAConfig(rb=1, warps=4, kh=4, block_m=8 if rows_per_expert <= 4 else 16, split_k=1)
+
+
+def wgmma_moe_config(rows_per_expert: float):
+    """Prefill on SM90 (H200, GLM-5 at 4096 tokens, scripts/try_wgmma.py): two warpgroups x 128-row
+    tiles; one warpgroup x 64-row tiles while experts average <= 48 rows (less padding in each
+    expert's last tile)."""
+    from .mma_layout import WgmmaConfig
+
+    if rows_per_expert <= 48:
+        return WgmmaConfig(block_m=64, stages=4, warps=4)
+    return WgmmaConfig(block_m=128, stages=4, warps=8)
 
 
 def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
@@ -373,16 +398,46 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     return launch_combine(y_pair, topk_ids, k, shared_out, out, E)
 
 
+def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias, shared_out,
+               out):
+    """GEMM 1 with the activation fused (writes h) -> GEMM 2 with the routing weight, scattered to
+    pair rows -> combine; ``cfg`` a ``WgmmaConfig``, the plan made for its block_m."""
+    from .mma_layout import launch_grouped_wgmma
+
+    T, H = x.shape
+    I = w2.shape[2]
+    p13, p2 = packed
+    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    alpha, limit = GPT_OSS_ALPHA, GPT_OSS_LIMIT
+    launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, swiglu=_SWIGLU[activation], alpha=alpha,
+                         limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
+    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
+    launch_grouped_wgmma(h, p2, H, plan, y_pair, cfg, gather=False, globals_=_weight_globals(w2), bias=w2_bias,
+                         row_weight=row_w, scatter=True)
+    return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
+
+
+def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
+                shared_out, out):
+    from .mma_layout import MMAConfig
+
+    if isinstance(cfg, MMAConfig):
+        return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
+                        w2_bias, shared_out, out)
+    return _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias,
+                      shared_out, out)
+
+
 def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias, w2_bias,
-                 shared_out, out):
-    T = x.shape[0]
+                 shared_out, out, cfg):
     E = w13.shape[0]
-    cfg = mma_moe_config(T * k / E)
     layout = "interleaved" if interleaved else "gate_up"
     wg_mode = _weight_globals(w13)[1]
     has_bias = w13_bias is not None or w2_bias is not None
     variant = f"{w13.fmt},{activation},{layout},wg{wg_mode}" + (",bias" if has_bias else "")
-    key = guard.GuardKey(kernel=f"fp4_moe_mma[{variant}]", config=str(cfg), device=guard.device_name(x.device))
+    kernel = "fp4_moe_mma" if str(cfg).startswith("mma") else "fp4_moe_wgmma"
+    key = guard.GuardKey(kernel=f"{kernel}[{variant}]", config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
         guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, "w4a16", None,
                                         per_row=wg_mode == 2, bias=has_bias, mma_config=cfg),
@@ -391,8 +446,8 @@ def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, inte
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
                                  w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
     plan = dispatch(topk_ids, E, cfg.block_m)
-    return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
-                    shared_out, out)
+    return _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
+                       w2_bias, shared_out, out)
 
 
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
@@ -418,8 +473,8 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
     out = torch.empty((T, H), dtype=dtype, device=device)
     if mma_config is not None:  # the MMA-layout path, with the caller's configuration
         packed = (mma_packed_experts(w13), mma_packed_experts(w2))
-        out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, mma_config.block_m), mma_config, k, activation,
-                       interleaved, b13, b2, None, out)
+        out = _run_packed(x, w13, w2, packed, ids, wts, dispatch(ids, E, mma_config.block_m), mma_config, k,
+                          activation, interleaved, b13, b2, None, out)
     else:
         out = _run(x, w13, w2, ids, wts, dispatch(ids, E, configs[0].block_m), configs, k,
                    _act_code(mode, w13, device), activation, interleaved, b13, b2, None, None, out)
@@ -434,9 +489,9 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
 def _activate(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
     if activation == "silu":
         return gate / (1.0 + torch.exp(-gate)) * up
-    gate = gate.clamp(max=7.0)
-    up = up.clamp(-7.0, 7.0)
-    return gate / (1.0 + torch.exp(-1.702 * gate)) * (up + 1.0)
+    gate = gate.clamp(max=GPT_OSS_LIMIT)
+    up = up.clamp(-GPT_OSS_LIMIT, GPT_OSS_LIMIT)
+    return gate / (1.0 + torch.exp(-GPT_OSS_ALPHA * gate)) * (up + 1.0)
 
 
 def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.Tensor,

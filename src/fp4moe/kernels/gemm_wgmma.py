@@ -1,0 +1,222 @@
+"""Prefill FP4 GEMM for Hopper (SM90): wgmma with the weights as the register operand (Gluon).
+
+At prefill the tensor cores are the bound, and on SM90 only ``wgmma`` reaches them at full rate.
+``wgmma`` takes its A operand from registers, with the same per-warp fragment layout as
+``mma.sync.m16n8k16`` — the layout ``fp4moe.ops.mma_layout`` stores the weights in. So each
+thread loads its weight words with 16-byte loads and decodes them (``linear_mma.decode_a_operand``:
+~2 instructions per value, the layout conversion asserted free) straight into the operand, while
+the activations stream through shared memory in a multi-stage ``cp.async`` ring and feed the B
+side. Decoding costs about an eighth of the warp issue slots the MMAs leave free at 128 tokens
+per tile, and each wgmma runs while the next chunk is decoded (one group kept in flight; the
+previous chunk's operand registers stay live until their MMA completes).
+
+Activations in MMA K order. The weights' K is permuted inside every 64-chunk (stored k = 16t +
+4kl + 2i2 + i0 at MMA position 16kl + 8i2 + 2t + i0, see ``mma_layout``), so the B operand must
+be too. The ring is filled with 4-byte ``cp.async`` of bf16 *pairs* (i0 stays adjacent), each
+lane reading one pair of a row's 64-K chunk at its permuted place: one warp instruction reads
+128 contiguous bytes, and the permutation costs nothing but the address arithmetic.
+
+One program: 32 WARPS weight rows (WARPS = 4 or 8 warps x 16 rows, twice: one or two
+warpgroups) x BLOCK_M rows of activations. Epilogues (constexpr):
+  plain linear: ``y[m, n] = acc * FOLD * global + bias`` (no MoE arguments);
+  GROUPED (MoE, program axis over an ``ops.dispatch`` plan's tiles of one expert each):
+    SWIGLU > 0 (GEMM 1): the rows are 16 WARPS gate rows then the matching up rows, so every
+      thread holds a gate value and its up value in registers: the activation is applied in
+      place and h [rows, I] written in bf16;
+    SWIGLU == 0 (GEMM 2): routing weight per row, scattered to the pair row (``row_out``).
+  Global scales per expert (WG_MODE 1) or per row (WG_MODE 2) and biases as ``kernels.moe``.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from .linear_mma import decode_a_operand
+
+
+
+@gluon.jit
+def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, SWIGLU: gl.constexpr):
+    """Weight 16-row block of tile row block ``rb`` (0 .. 2 WARPS - 1; warp w holds w and WARPS + w):
+    GEMM 1 reads WARPS gate blocks then the matching up blocks I_RB further; otherwise 2 WARPS
+    consecutive blocks (clamped to the last one: rows past N are read, never stored)."""
+    if SWIGLU > 0:
+        return gl.minimum(pid_n * WARPS + rb % WARPS, I_RB - 1) + (rb // WARPS) * I_RB
+    return gl.minimum(pid_n * 2 * WARPS + rb, N_RB - 1)
+
+
+@gluon.jit
+def fp4_gemm_wgmma_kernel(
+    wq_ptr,  # int32 words [E * N/16, K/64, 32, 4] (mma_layout), E = 1 unless GROUPED
+    sc_ptr,  # int16 scale pairs [E * N/16, K/64, 32] (NVFP4) or [E * N/16, K/64, 8, 2] (MXFP4)
+    x_ptr,  # int32 view of bf16 activations [rows, K_X / 2] (stride_xm int32 per row)
+    wg_ptr,  # plain: [1] fp32 global (WG_MODE 1); GROUPED: [E] (1) or [E, N] (2, stride_ge); else unused
+    bias_ptr,  # plain: [N]; GROUPED: [E, N] (stride_be); HAS_BIAS, else unused
+    out_ptr,  # plain: y [M, N]; GEMM 1: h [R, N/2]; GEMM 2: pair rows [T*k, N] (stride_om)
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tiles
+    row_x_ptr,  # GATHER: [R] int32 activation row of each sorted row
+    row_out_ptr,  # SCATTER: [R] int32 output row of each sorted row
+    row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row
+    M, N, K, K_X,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
+    stride_xm, stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
+    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64 or 128
+    WARPS: gl.constexpr,  # 4 (one warpgroup: 128 weight rows per program) or 8 (two: 256)
+    STAGES: gl.constexpr,  # activation ring depth (>= 3: chunk c + STAGES - 2 loads while c computes)
+    MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+    SWIGLU: gl.constexpr,  # 0 none, 1 silu(g) * u, 2 gpt-oss clamped variant (ALPHA, LIMIT)
+    ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+    GROUPED: gl.constexpr, GATHER: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
+    FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
+    GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
+):
+    NB: gl.constexpr = 2 * WARPS  # 16-row blocks per program (two register repeats)
+    BLOCK_N: gl.constexpr = 16 * NB
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                              warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
+    # activation copies: one warp instruction = one row's 64-K chunk (32 pairs)
+    c_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
+                                              warps_per_cta=[WARPS, 1], order=[1, 0])
+    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    w_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+
+    pid = gl.program_id(0)
+    KC = K // 64
+    NRB = (N + 15) // 16
+    if SWIGLU > 0:
+        n_tiles_n = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+    else:
+        n_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    if GROUPED:  # tiles outer, N inner: concurrent programs share the tile's activations
+        pid_n = pid % n_tiles_n
+        pid_m = pid // n_tiles_n
+        e = gl.load(tile_expert_ptr + pid_m)
+        row_start = gl.load(tile_start_ptr + pid_m)
+        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)
+        kc_end = gl.where(e >= 0, KC, 0)  # unused tile: no K steps, nothing stored
+        e = gl.maximum(e, 0)
+    else:  # raster groups of GROUP_M activation tiles x all N tiles
+        per_group = GROUP_M * n_tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        e = 0
+        row_start = pid_m * BLOCK_M
+        row_end = M
+        kc_end = KC
+
+    # weight words and scales at chunk 0 (each step adds a scalar)
+    rb_e = e * NRB
+    i_rb = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_layout))))
+    i_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, w_layout))))
+    i_kl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w_layout))))
+    rb = rb_e + _row_block(pid_n, i_rb, NRB, NRB // 2, WARPS, SWIGLU)
+    w_ptrs = wq_ptr + (gl.expand_dims(gl.expand_dims(gl.expand_dims(rb.to(gl.int64) * KC, 1), 2), 3) * 128
+                       + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_lane * 4, 0), 1), 3)
+                       + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_kl, 0), 1), 2))
+    s_rb = rb_e + _row_block(pid_n, gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))),
+                             NRB, NRB // 2, WARPS, SWIGLU)
+    s_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
+    if MXFP4:  # one pair per 32 K: [.., K/64, 8, 2]
+        S_STEP: gl.constexpr = 16
+        s_in = (s_lane // 4) * 2 + (s_lane % 4) // 2
+    else:  # one pair per 16 K: [.., K/64, 32]
+        S_STEP: gl.constexpr = 32
+        s_in = s_lane
+    s_ptrs = sc_ptr + gl.expand_dims(gl.expand_dims(s_rb.to(gl.int64) * KC * S_STEP, 1), 2) \
+        + gl.expand_dims(gl.expand_dims(s_in, 0), 1)
+
+    # activation rows (clamped to the tile's last row: extra rows are computed, never stored) and
+    # the permuted pair offsets of one 64-K chunk: MMA pair q = 8kl + 4i2 + t holds stored pair 8t + 2kl + i2
+    rows_c = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, c_layout)),
+                        gl.maximum(row_end - 1, 0))
+    if GATHER:
+        rows_c = gl.load(row_x_ptr + rows_c)
+    q = gl.arange(0, 32, layout=gl.SliceLayout(0, c_layout))
+    pair = 8 * (q % 4) + 2 * (q // 8) + (q // 4) % 2
+    # int32 offsets (the launcher checks the activations have < 2**31 pairs): half the registers of pointers
+    x_offs = gl.expand_dims(rows_c * stride_xm, 1) + gl.expand_dims(pair, 0)
+    pair_2d = gl.expand_dims(pair, 0) + gl.expand_dims(rows_c * 0, 1)
+
+    # the ring: activations (swizzled for wgmma) and each thread's own weight words (read back by
+    # the thread that copied them); scales are small and come through registers, two chunks ahead
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_smem_layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 1, 32, 4], w_smem_layout)
+    for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
+        dst = x_smem.index(i)._reinterpret(gl.int32, [BLOCK_M, 32], p_smem_layout)
+        async_copy.async_copy_global_to_shared(dst, x_ptr + (x_offs + i * 32), mask=(i < kc_end) & (i * 64 + 2 * pair_2d < K_X))
+        async_copy.async_copy_global_to_shared(w_smem.index(i), w_ptrs + gl.minimum(i, KC - 1) * 128)
+        async_copy.commit_group()
+
+    s = gl.load(s_ptrs)
+    s_next = gl.load(s_ptrs + gl.minimum(1, KC - 1) * S_STEP)
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    for c in range(0, kc_end):
+        async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
+        gl.thread_barrier()  # everyone's copies; and every warpgroup is past chunk c-2's wgmma
+        fence_async_shared()  # (ptxas: a full memory barrier: no global load may be pending here)
+        w = w_smem.index(c % STAGES).load(w_layout)
+        wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
+        acc = warpgroup_mma(wd, x_smem.index(c % STAGES).permute((1, 0)), acc, is_async=True)
+        s_next2 = gl.load(s_ptrs + gl.minimum(c + 2, KC - 1) * S_STEP)
+        acc = warpgroup_mma_wait(1, deps=[acc])  # chunk c-1 done
+        # chunk c + STAGES - 2 into the buffers chunk c - 2 used
+        cn = c + STAGES - 2
+        dst = x_smem.index(cn % STAGES)._reinterpret(gl.int32, [BLOCK_M, 32], p_smem_layout)
+        async_copy.async_copy_global_to_shared(dst, x_ptr + (x_offs + cn * 32),
+                                               mask=(cn < kc_end) & (cn * 64 + 2 * pair_2d < K_X))
+        async_copy.async_copy_global_to_shared(w_smem.index(cn % STAGES), w_ptrs + gl.minimum(cn, KC - 1) * 128)
+        async_copy.commit_group()
+        s = s_next
+        s_next = s_next2
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
+
+    # epilogue in the accumulator's layout
+    acc = acc * FOLD
+    if WG_MODE == 1:
+        acc = acc * gl.load(wg_ptr + e)
+    if SWIGLU > 0:
+        g, u = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), [1, 2, 0]))
+        epi: gl.constexpr = g.type.layout
+        cols = pid_n * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, epi))
+        c_mask = cols < N // 2
+        gate_rows = cols
+        up_rows = cols + N // 2
+        if WG_MODE == 2:
+            g = g * gl.expand_dims(gl.load(wg_ptr + e * stride_ge + gate_rows, mask=c_mask, other=0.0), 1)
+            u = u * gl.expand_dims(gl.load(wg_ptr + e * stride_ge + up_rows, mask=c_mask, other=0.0), 1)
+        if HAS_BIAS:
+            g = g + gl.expand_dims(gl.load(bias_ptr + e * stride_be + gate_rows, mask=c_mask, other=0.0), 1).to(gl.float32)
+            u = u + gl.expand_dims(gl.load(bias_ptr + e * stride_be + up_rows, mask=c_mask, other=0.0), 1).to(gl.float32)
+        if SWIGLU == 1:
+            res = g / (1.0 + gl.exp(-g)) * u
+        else:
+            g = gl.minimum(g, LIMIT)
+            u = gl.minimum(gl.maximum(u, -LIMIT), LIMIT)
+            res = g / (1.0 + gl.exp(-ALPHA * g)) * (u + 1.0)
+    else:
+        epi: gl.constexpr = mma
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
+        c_mask = cols < N
+        res = acc
+        if WG_MODE == 2:
+            res = res * gl.expand_dims(gl.load(wg_ptr + e * stride_ge + cols, mask=c_mask, other=0.0), 1)
+        if HAS_BIAS:
+            res = res + gl.expand_dims(gl.load(bias_ptr + e * stride_be + cols, mask=c_mask, other=0.0), 1).to(gl.float32)
+    rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
+    r_mask = rows < row_end
+    if HAS_RW:
+        res = res * gl.expand_dims(gl.load(row_w_ptr + rows, mask=r_mask, other=0.0), 0)
+    if SCATTER:
+        out_rows = gl.load(row_out_ptr + rows, mask=r_mask, other=0)
+    else:
+        out_rows = rows
+    out = out_ptr + gl.expand_dims(out_rows.to(gl.int64) * stride_om, 0) + gl.expand_dims(cols, 1)
+    gl.store(out, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(c_mask, 1) & gl.expand_dims(r_mask, 0))

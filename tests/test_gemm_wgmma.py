@@ -1,0 +1,193 @@
+"""The Hopper prefill kernel (kernels/gemm_wgmma.py): configuration and launcher checks and the
+SM90 cross-compilation on CPU; the kernel itself, the linear routing and the MoE layer on the GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp4moe.formats import MXFP4, NVFP4
+from fp4moe.ops.mma_layout import WGMMA_MIN_M, WgmmaConfig, _x_pairs, choose_wgmma_config
+from fp4moe.quantize import FP4Tensor, quantize
+
+FMTS = [NVFP4, MXFP4]
+
+
+def test_config_validation_and_choice():
+    assert str(WgmmaConfig()) == "wgmma_n128_m128_s4_g8"
+    with pytest.raises(ValueError, match="block_m"):
+        WgmmaConfig(block_m=32)
+    with pytest.raises(ValueError, match="stages"):
+        WgmmaConfig(stages=2)
+    with pytest.raises(ValueError, match="warps"):
+        WgmmaConfig(warps=2)
+    assert choose_wgmma_config(4096, 12288, 6144).warps == 8
+    assert choose_wgmma_config(4096, 4096, 6144).warps == 4
+    assert WGMMA_MIN_M > 16  # decode sizes stay on the mma.sync kernel
+
+
+def test_moe_config_choice():
+    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.moe import mma_moe_config, wgmma_moe_config
+
+    assert isinstance(mma_moe_config(3.0), MMAConfig)
+    assert wgmma_moe_config(32.0).block_m == 64
+    assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=8)
+
+
+def test_activation_pairs_checks():
+    with pytest.raises(TypeError, match="bfloat16"):
+        _x_pairs(torch.zeros(4, 64, dtype=torch.float16))
+    huge = torch.empty((2**16, 2**16), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        _x_pairs(huge)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert _x_pairs(x[:, :32]).shape == (3, 16)  # strided rows: pairs view (a copy only if needed)
+    assert torch.equal(_x_pairs(x).view(torch.bfloat16), x)
+
+
+_COMPILE = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from fp4moe.kernels import gemm_wgmma as G, linear_mma as L
+from fp4moe.plan.crosscompile import mma_instructions
+out = []
+for mode, warps, bm, stages, mx in json.loads(sys.argv[1]):
+    fn = G.fp4_gemm_wgmma_kernel
+    sig = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*i32", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
+           "out_ptr": "*fp32" if mode == "gemm2" else "*bf16", "tile_expert_ptr": "*i32",
+           "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_x_ptr": "*i32", "row_out_ptr": "*i32",
+           "row_w_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
+           "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32", "n_tiles_m": "i32"}
+    cx = dict(BLOCK_M=bm, WARPS=warps, STAGES=stages, MXFP4=mx, WG_MODE=0 if mx else (2 if mode == "gemm1" else 1),
+              HAS_BIAS=True, SWIGLU=1 if mode == "gemm1" else 0, ALPHA=1.702, LIMIT=7.0, GROUPED=mode != "plain",
+              GATHER=mode == "gemm1", SCATTER=mode == "gemm2", HAS_RW=mode == "gemm2", FOLD=256.0,
+              DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), GROUP_M=8)
+    sig.update({k: "constexpr" for k in cx})
+    c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    ptx = c.asm["ptx"]
+    out.append({"mode": mode, "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+                "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global"),
+                "fence": ptx.count("fence.proxy.async")})
+print(json.dumps(out))
+"""
+
+
+def test_cross_compiles_for_sm90():
+    """Plain linear and both MoE GEMMs compile for SM90 with wgmma (A from the decoded registers)
+    inside the per-block shared-memory limit."""
+    from fp4moe.arch import get_arch
+
+    cases = [("plain", 8, 128, 4, False), ("plain", 4, 128, 4, True), ("gemm1", 4, 64, 4, False),
+             ("gemm1", 8, 128, 4, True), ("gemm2", 8, 128, 4, False)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    limit = get_arch("sm90").smem_per_block_optin
+    for r in json.loads(res.stdout.strip().splitlines()[-1]):
+        assert 0 < r["shared"] <= limit, r
+        assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
+        assert r["decode"] > 0 and r["cp_async"] > 0 and r["fence"] > 0, r
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("M,N,K", [(1, 256, 128), (100, 300, 224), (256, 4096, 6144), (1000, 6144, 2048),
+                                   (77, 512, 64), (130, 272, 1024)])
+def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
+    from fp4moe.ops.linear import fp4_linear_reference
+    from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
+
+    if not _hopper():
+        pytest.skip("wgmma is SM90")
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = quantize(torch.randn(N, K, device="cuda"), fmt)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    p = pack_mma(w)
+    ref = fp4_linear_reference(x, w, bias).float()
+    for cfg in (WgmmaConfig(), WgmmaConfig(block_m=64, stages=3), WgmmaConfig(stages=6, group_m=2, warps=8)):
+        y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_linear_wgmma(x, p, bias, y, cfg)
+        err = (y.float() - ref).abs().max() / ref.abs().max()
+        assert torch.isfinite(y).all() and err < 1e-2, (cfg, err)
+
+
+@pytest.mark.gpu
+def test_gpu_fp4_linear_routes_prefill_to_wgmma_and_graphs_work():
+    from fp4moe import guard
+    from fp4moe.nn import FP4Linear
+    from fp4moe.ops.linear import fp4_linear_reference
+
+    if not _hopper():
+        pytest.skip("wgmma is SM90")
+    torch.manual_seed(0)
+    m = FP4Linear.from_linear(torch.nn.Linear(2048, 1024, bias=True), "nvfp4").cuda().to(torch.bfloat16)
+    x = torch.randn(3, 100, 2048, device="cuda", dtype=torch.bfloat16)  # 300 rows
+    ref = fp4_linear_reference(x, m.weight_fp4, m.bias).float()
+    y = m(x)
+    assert any(k.kernel.startswith("fp4_linear_wgmma") for k in guard._checked)
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+    g = torch.cuda.CUDAGraph()
+    static = x.clone()
+    with torch.cuda.graph(g):
+        out = m(static)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("activation,per_row,bias", [("silu", False, False), ("silu", True, True),
+                                                     ("gpt_oss", False, True)])
+@pytest.mark.parametrize("T,E,k,H,I", [(512, 8, 2, 256, 128), (700, 16, 4, 512, 256), (257, 5, 1, 128, 64),
+                                       (300, 6, 3, 320, 96)])
+def test_gpu_moe_prefill_on_wgmma(fmt, activation, per_row, bias, T, E, k, H, I):
+    """fp4_moe_experts routes prefill-sized W4A16 layers (gate-then-up w13) to the wgmma kernel:
+    same numbers as the reference, dropped slots skipped, deterministic."""
+    from fp4moe import guard
+    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference
+    from fp4moe.quantize import quantize_stacked
+
+    if not _hopper():
+        pytest.skip("wgmma is SM90")
+    if fmt is MXFP4 and per_row:
+        pytest.skip("MXFP4 has no global scales")
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
+    if per_row:
+        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
+        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
+    w13, w2 = w13.to("cuda"), quantize_stacked(torch.randn(E, H, I, generator=g), fmt).to("cuda")
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to("cuda", torch.int32)
+    ids[0, -1] = -1  # a dropped slot
+    wts = torch.rand(T, k, generator=g).to("cuda") * (ids >= 0)
+    b13 = torch.randn(E, 2 * I, generator=g).to("cuda", torch.bfloat16) if bias else None
+    b2 = torch.randn(E, H, generator=g).to("cuda", torch.bfloat16) if bias else None
+    kw = dict(activation=activation, w13_bias=b13, w2_bias=b2)
+    y = fp4_moe_experts(x, w13, w2, ids, wts, **kw)
+    assert any(key.kernel.startswith("fp4_moe_wgmma") for key in guard._checked)
+    ref = fp4_moe_reference(x, w13, w2, ids, wts, **kw).float()
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err
+    assert torch.equal(fp4_moe_experts(x, w13, w2, ids, wts, **kw), y)  # deterministic
