@@ -9,7 +9,7 @@ programs (grid axis 0 runs over N).
 GEMM 1 (``SWIGLU`` > 0): for output column j the program accumulates the gate row and the up
 row of W13 (rows j and I + j, or 2j and 2j + 1 when the checkpoint interleaves them, as gpt-oss
 does) and applies the activation in the epilogue: silu(g) * u, or gpt-oss's
-clamp(g, max=7) * sigmoid(1.702 g) * (clamp(u, -7, 7) + 1).
+clamp(g, max=7) * sigmoid(1.702 g) * (clamp(u, -7, 7) + 1) (GPT_OSS_LIMIT, GPT_OSS_ALPHA).
 GEMM 2: the routing weight of each row is multiplied in the epilogue and the row is written at
 its pair index (t * top_k + slot), so the combine can sum each token's rows in slot order.
 """
@@ -18,6 +18,13 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import decode_fp4_tile, decode_fp4_tile_fast
+
+#: gpt-oss's clamped SwiGLU, clamp(g, max=LIMIT) * sigmoid(ALPHA g) * (clamp(u, -LIMIT, LIMIT) + 1): the
+#: one definition (the reference in ops.moe and the wgmma kernel's constexprs read these)
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
+_ALPHA = tl.constexpr(GPT_OSS_ALPHA)
+_LIMIT = tl.constexpr(GPT_OSS_LIMIT)
 
 
 @triton.jit
@@ -229,10 +236,10 @@ def _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows,
             u += tl.load(b_e + up_rows, mask=c_mask, other=0.0).to(tl.float32)[:, None]
         if SWIGLU == 1:  # silu(g) * u
             res = g / (1.0 + tl.exp(-g)) * u
-        else:  # gpt-oss: clamp(g, max=7) * sigmoid(1.702 g) * (clamp(u, -7, 7) + 1)
-            g = tl.minimum(g, 7.0)
-            u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-            res = g / (1.0 + tl.exp(-1.702 * g)) * (u + 1.0)
+        else:  # gpt-oss (GPT_OSS_ALPHA, GPT_OSS_LIMIT)
+            g = tl.minimum(g, _LIMIT)
+            u = tl.minimum(tl.maximum(u, -_LIMIT), _LIMIT)
+            res = g / (1.0 + tl.exp(-_ALPHA * g)) * (u + 1.0)
     else:
         res = g
     if HAS_RW:

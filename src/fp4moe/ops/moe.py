@@ -12,15 +12,13 @@ from typing import Literal
 import torch
 
 from .. import guard
+from ..kernels.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # gpt-oss's activation constants (one definition)
 from ..quantize import FP4Tensor, dequantize
 from .dispatch import DispatchPlan, dispatch
 from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
-#: gpt-oss's clamped SwiGLU: clamp(g, max=LIMIT) * sigmoid(ALPHA g) * (clamp(u, -LIMIT, LIMIT) + 1)
-GPT_OSS_ALPHA = 1.702
-GPT_OSS_LIMIT = 7.0
 
 
 @dataclass(frozen=True)
