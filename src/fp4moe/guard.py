@@ -70,6 +70,8 @@ TOLERANCES: dict[str, Tolerance] = {
 }
 TOLERANCES["fp4_linear_mma"] = TOLERANCES["fp4_linear"]  # same numerics, weights in MMA operand order
 TOLERANCES["fp4_moe_mma"] = TOLERANCES["fp4_moe"]
+TOLERANCES["fp4_linear_wgmma"] = TOLERANCES["fp4_linear"]  # the same decode, wgmma instead of mma.sync
+TOLERANCES["fp4_moe_wgmma"] = TOLERANCES["fp4_moe"]
 
 
 _lock = threading.Lock()
