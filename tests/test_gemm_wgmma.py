@@ -191,3 +191,21 @@ def test_gpu_moe_prefill_on_wgmma(fmt, activation, per_row, bias, T, E, k, H, I)
     err = (y.float() - ref).abs().max() / ref.abs().max()
     assert err < 2e-2, err
     assert torch.equal(fp4_moe_experts(x, w13, w2, ids, wts, **kw), y)  # deterministic
+
+
+def test_linear_routing_per_architecture():
+    """fp4_linear's choice for bf16 activations: mma.sync at decode everywhere, wgmma at prefill on
+    SM90 only, the Triton kernel in between and for W4A4."""
+    from fp4moe.arch import get_arch
+    from fp4moe.ops.linear import packed_config
+    from fp4moe.ops.mma_layout import MMAConfig
+
+    sm80, sm90, sm120 = get_arch("sm80"), get_arch("sm90"), get_arch("sm120")
+    assert isinstance(packed_config("w4a16", sm80, 4, 4096, 4096), MMAConfig)
+    assert isinstance(packed_config("w4a16", sm90, 16, 4096, 4096), MMAConfig)
+    assert packed_config("w4a16", sm90, 64, 4096, 4096) is None
+    assert isinstance(packed_config("w4a16", sm90, WGMMA_MIN_M, 4096, 4096), WgmmaConfig)
+    assert packed_config("w4a16", sm80, 4096, 4096, 4096) is None
+    assert packed_config("w4a16", sm120, 4096, 4096, 4096) is None
+    assert packed_config("w4a4_emulated", sm90, 4096, 4096, 4096) is None
+    assert packed_config("w4a16", None, 4, 4096, 4096) is None

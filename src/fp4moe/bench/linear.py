@@ -98,11 +98,9 @@ def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None) 
         if choose is None:
             return ""
         if hasattr(ops_linear, "choose_path"):  # choose_config(M, N, K, *, path, arch, sm_count)
-            from ..ops.mma_layout import MAX_M, choose_mma_config
-
-            if mode == "w4a16" and chip is not None and M <= MAX_M:
-                return str(choose_mma_config(M, N, K, sm_count or 132))  # bf16 x: the MMA-layout kernel
-            return str(choose(M, N, K, path=ops_linear.choose_path(mode, chip), arch=chip, sm_count=sm_count))
+            path = ops_linear.choose_path(mode, chip)
+            packed = ops_linear.packed_config(path, chip, M, N, K, sm_count)  # bf16 x: the packed-layout kernels
+            return str(packed if packed is not None else choose(M, N, K, path=path, arch=chip, sm_count=sm_count))
         return str(choose(M, N, K, mode=mode, arch=chip))
     except Exception as err:  # a config failure is worth seeing, but the row stays a timing
         return _error(err)

@@ -285,10 +285,11 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     arch = device_arch(x.device)
     path = choose_path(mode, arch)
     sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
-    if config is None and _use_mma_layout(x2, w, path, arch, M):
+    packed_cfg = packed_config(path, arch, M, N, K, sm_count) if config is None and _use_mma_layout(x2, w) else None
+    if packed_cfg is not None:
         packed = mma_packed(w)
         if packed is not None:
-            return _forward_mma(x, x2, w, packed, bias, out, M, N, sm_count).reshape(*lead, N)
+            return _forward_mma(x, x2, w, packed, bias, out, packed_cfg).reshape(*lead, N)
     cfg = config or choose_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
     key = guard.GuardKey(kernel=f"fp4_linear[{path},{w.fmt},{x.dtype}]".replace("torch.", ""),
                          config=str(cfg), device=guard.device_name(x.device))
@@ -301,17 +302,26 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     return out.reshape(*lead, N)
 
 
-def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor, path: Path, arch: Arch | None, M: int) -> bool:
-    """W4A16 with bf16 activations on compiled CUDA runs on the weights in MMA operand order
-    (``ops.mma_layout``): decode (M <= MAX_M) on the mma.sync kernel, which every catalogued
-    architecture, SM80 on, has; prefill (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel. The rest
-    (M in between, other architectures' prefill, W4A4, fp16) on the Triton kernel."""
-    from .mma_layout import MAX_M, WGMMA_MIN_M
+def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_count: int | None = None):
+    """The configuration of the kernel on weights in MMA operand order (``ops.mma_layout``) that
+    ``fp4_linear`` runs for bf16 activations on compiled CUDA, or None for the Triton kernel:
+    W4A16 decode (M <= MAX_M) on the mma.sync kernel, which every catalogued architecture, SM80 on,
+    has (an ``MMAConfig``); W4A16 prefill (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
+    ``WgmmaConfig``). The rest (M in between, other architectures' prefill, W4A4) on the Triton kernel."""
+    from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
 
-    if not (path == "w4a16" and x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting()
-            and arch is not None and len(w.shape) == 2):
-        return False
-    return M <= MAX_M or (M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma")
+    if path != "w4a16" or arch is None:
+        return None
+    if M <= MAX_M:
+        return choose_mma_config(M, N, K, sm_count or 132)
+    if M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma":
+        return choose_wgmma_config(M, N, K)
+    return None
+
+
+def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor) -> bool:
+    """bf16 activations on compiled CUDA with a 2-D weight (the packed kernels' domain)."""
+    return x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting() and len(w.shape) == 2
 
 
 def mma_packed(w: FP4Tensor):
@@ -330,15 +340,13 @@ def mma_packed(w: FP4Tensor):
     return packed
 
 
-def _forward_mma(x, x2, w, packed, bias, out, M, N, sm_count):
-    """Decode (mma.sync kernel) or, on SM90 at prefill, the wgmma kernel, on the packed weights."""
-    from .mma_layout import MAX_M, choose_mma_config, choose_wgmma_config, launch_linear_mma, launch_linear_wgmma
+def _forward_mma(x, x2, w, packed, bias, out, cfg):
+    """The packed weights through the kernel of ``cfg``: mma.sync (``MMAConfig``) or wgmma."""
+    from .mma_layout import MMAConfig, launch_linear_mma, launch_linear_wgmma
 
-    if M <= MAX_M:
-        cfg = choose_mma_config(M, N, w.shape[1], sm_count or 132)
+    if isinstance(cfg, MMAConfig):
         kernel, launch = "fp4_linear_mma", launch_linear_mma
     else:
-        cfg = choose_wgmma_config(M, N, w.shape[1])
         kernel, launch = "fp4_linear_wgmma", launch_linear_wgmma
     key = guard.GuardKey(kernel=f"{kernel}[{w.fmt},bfloat16]", config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
