@@ -190,7 +190,7 @@ def test_non_contiguous_inputs(device):
     check(base.t())  # [17, 272] with unit row stride: copied
     wide = torch.randn(9, 400, generator=_gen(2)).to(torch.bfloat16).to(device)
     check(wide[:, 32:304])  # row stride 400, contiguous rows: no copy
-    check(wide[:, 3:99])  # rows start 6 bytes past 16-byte alignment: unvectorised loads
+    check(wide[:, 3:99])  # rows start 6 bytes past 16-byte alignment: copied (bf16 is read as int32 pairs)
     cube = torch.randn(64, 3, 5, generator=_gen(3)).to(device)
     got = check(cube.permute(1, 2, 0), 0.01)  # [3, 5, 64]: N-D, reshaped back
     assert got.shape == (3, 5, 64) and got.data.shape == (3, 5, 32) and got.scales.shape == (3, 5, 4)
@@ -211,7 +211,7 @@ def test_config_pins_give_the_same_bits(device):
 
 def test_heuristic():
     big = QuantizeConfig.from_heuristic(16384, 6144)
-    assert big == QuantizeConfig(block_m=16, block_k=512, num_warps=8)
+    assert big == QuantizeConfig(block_m=4, block_k=512, num_warps=2)
     assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=16, num_warps=1)
     assert QuantizeConfig.from_heuristic(3, 48).block_k == 64
     with pytest.raises(AttributeError):

@@ -2,23 +2,37 @@
 
 The results equal ``fp4moe.quantize(x, "nvfp4", global_scale)`` bit for bit; the constants
 are those of ``fp4moe.formats`` (E2M1 max 6, E4M3 max 448, smallest scale 2**-9). Only fp32
-arithmetic with IEEE rounding and integer operations are used (no FP8/FP4 conversion
-instruction), so the same code runs on SM80, every later target and the interpreter.
+arithmetic with IEEE rounding, exact comparisons and integer operations are used (no FP8/FP4
+conversion instruction), so the same code runs on SM80, every later target and the interpreter.
 
 The reference divides twice: ``raw = amax_b / (6 g)`` per block and ``q = x / d`` per element
-(``d = fp32(scale) * g``), then rounds q to E2M1 by comparing it with 7 thresholds. A full
-IEEE division per element (``div.rn``: a reciprocal on the slow MUFU unit, a range check and
-a branch) would make this memory-bound kernel compute-bound, so in the fast path:
+(``d = fp32(scale) * g``), then rounds q to E2M1 by comparing it with 7 thresholds. The kernel
+is bound by instruction issue rather than memory unless each element costs few instructions:
+a full IEEE division per element (``div.rn``: a reciprocal on the slow MUFU unit, a range
+check and a branch) is out of the question, so in the fast path:
 
-* a division by d becomes a multiplication by ``RN(1/d)`` (one ``tl.math.div_rn`` per block;
-  per program for 6g) and two FMA corrections (:func:`div_by_reciprocal`), exact by
-  Markstein's theorem while the values stay in fp32's normal range, which
-  ``2**-91 <= g <= 2**115`` guarantees; outside it the kernel uses ``div_rn`` throughout;
-* q is rounded to E2M1 with three float additions and two minimums (:func:`e2m1_codes`);
+* a division a / d (a >= 0) uses, per block, y = RN(1/d) and y_lo = RN((1 - d y) y)
+  (:func:`reciprocal_pair`; 1 - d y is exact) and, per element, a product and three fused
+  multiply-adds (:func:`div_by_reciprocal_pair`): q0 = RN(a y + RN(a y_lo)) rounds
+  a/d (1 + e) with |e| <= 2**-34 (y + y_lo is 1/d within 2**-47/d, the product's error and
+  y_lo's underflow add at most 2**-48 and d * 2**-150 <= 2**-41 relative), so q0 is faithful;
+  the remainder r = a - d q0 is then exact and RN(q0 + r y) = RN(a/d) by Markstein's theorem.
+  This holds while d, y and the quotients that matter (>= 2**-3; smaller ones give code 0
+  whatever their last bits) keep r's granule 2**(e_d + e_q - 46) >= 2**-149, which
+  ``2**-91 <= g <= 2**100`` guarantees (d in [2**-100, 2**109]); outside it the kernel uses
+  ``div_rn`` throughout. The same division gives raw = amax_b / (6 g);
+* q is rounded to E2M1 with three float additions and two minimums (:func:`e2m1_magnitudes`);
 * a block's scale is rounded to E4M3 with one magic-number addition (:func:`e4m3_round`).
 
+Compiled for a GPU, bf16 input is read as int32 pairs and a few steps use inline PTX (SM80+):
+block maxima with ``max.bf16x2`` on the pairs' magnitudes (a comparison, exact), the sign bits
+gathered with byte permutes, and RN(1/d) as ptxas' own ``div.rn`` fast path (approximate
+reciprocal, two Newton-Raphson steps) without its range check, which d in [2**-100, 2**109]
+never needs. The interpreter computes the same values with plain Triton (``EMULATE_FMA``).
+
 The interpreter's ``tl.fma`` rounds twice, so there the kernels emulate an exact FMA in fp64
-(``EMULATE_FMA``) and the CPU tests run the very algorithm the GPU runs.
+(``EMULATE_FMA``) and the CPU tests run the very algorithm the GPU runs (the inline PTX aside,
+which the GPU tests check bit for bit).
 """
 
 import triton
@@ -163,6 +177,300 @@ def absmax_kernel(
 
 
 @triton.jit
+def reciprocal_rn_asm(d):
+    """RN(1 / d) for normal d whose reciprocal is normal: the fast path of ptxas' own ``div.rn``
+    expansion (an approximate reciprocal and two Newton-Raphson steps, the last one rounding
+    correctly), without its range check and branch to the slow path, which the kernel's range
+    (|d| in [2**-100, 2**110]) never needs."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .f32 r, e;
+        rcp.approx.ftz.f32 r, $1;
+        fma.rn.f32 e, $1, r, 0fBF800000;
+        neg.f32 e, e;
+        fma.rn.f32 r, r, e, r;
+        fma.rn.f32 e, $1, r, 0fBF800000;
+        neg.f32 e, e;
+        fma.rn.f32 $0, r, e, r;
+        }""", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def reciprocal_pair(d, EMULATE_FMA: tl.constexpr):
+    """``(y, y_lo)``: y = RN(1 / d) and y_lo = RN((1 - d y) y), so that y + y_lo = 1 / d within
+    2**-47 / d (1 - d y is exact, |1 - d y| <= 2**-24)."""
+    if EMULATE_FMA:
+        y = tl.math.div_rn(1.0, d)
+        return y, fma_rn(-d, y, tl.zeros_like(d) + 1.0, EMULATE_FMA) * y
+    else:
+        y = reciprocal_rn_asm(d)
+        return y, tl.fma(-d, y, 1.0) * y
+
+
+@triton.jit
+def div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA: tl.constexpr):
+    """``RN(a / d)`` for a >= 0 from :func:`reciprocal_pair` with three fused multiply-adds and a product.
+
+    q0 = RN(a y + RN(a y_lo)) is a rounding of a / d (1 + e) with |e| <= 2**-34 in the kernel's
+    range, hence faithful (within 1 ulp); then r = a - d q0 is exact and, y being RN(1 / d),
+    RN(q0 + r y) is the correctly rounded quotient (Markstein's theorem). Valid under the same
+    range conditions as :func:`div_by_reciprocal` (see the kernel).
+    """
+    q = fma_rn(a, y, a * y_lo, EMULATE_FMA)
+    return fma_rn(fma_rn(-d, q, a, EMULATE_FMA), y, q, EMULATE_FMA)
+
+
+@triton.jit
+def e2m1_magnitudes(q):
+    """:func:`e2m1_codes` without the sign: 0x4B000000 + E2M1 code of |q| (0..7) for 0 <= q < 7."""
+    c0 = q * 2.0 + 8388608.0  # 2**23
+    c1 = q + 8388610.0
+    c2 = q * 0.5 + 8388612.0
+    return tl.minimum(tl.minimum(c0, c1), c2).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def pack_magnitudes(m_lo, m_hi):
+    """Biased magnitudes (:func:`e2m1_magnitudes`) of 8 consecutive elements, given as the even
+    (``lo``) and odd (``hi``) ones [R, NB, 4], to int32 words [R, NB]: element 2k in bits 8k..8k+2,
+    element 2k+1 in bits 8k+4..8k+6 (bit 3 of each nibble, the sign, left 0).
+
+    The words are sums code_j * 16**j with wrap-around; the 8 biases add up to 0xFB000000
+    (mod 2**32), which one addition of 0x05000000 cancels.
+    """
+    R: tl.constexpr = m_lo.shape[0]
+    NB: tl.constexpr = m_lo.shape[1]
+    lo, hi = tl.split(tl.reshape(m_lo + m_hi * 16, (R, NB, 2, 2)))
+    lo, hi = tl.split(tl.reshape(lo + hi * 256, (R, NB, 1, 2)))
+    return tl.reshape(lo + hi * 65536, (R, NB)) + 0x05000000
+
+
+@triton.jit
+def sign_bits(x_lo, x_hi):
+    """The sign bits of 8 consecutive elements (even ``x_lo``, odd ``x_hi``, fp32 [R, NB, 4]) at bit
+    3 of their nibbles (bits 8k + 3 and 8k + 7), -0.0 included: int32 [R, NB]."""
+    k8 = tl.arange(0, 4)[None, None, :] * 8
+    bits = (((x_lo.to(tl.int32, bitcast=True) >> 31) & (8 << k8))
+            | ((x_hi.to(tl.int32, bitcast=True) >> 31) & (0x80 << k8)))
+    return tl.reduce(bits, 2, _or)
+
+
+@triton.jit
+def _words4(w):
+    """int32 [R, NB, 4] -> its 4 words [R, NB] (in-thread split)."""
+    a, b = tl.split(tl.reshape(w, (w.shape[0], w.shape[1], 2, 2)))  # a = (w0, w2), b = (w1, w3)
+    w0, w2 = tl.split(a)
+    w1, w3 = tl.split(b)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def bf16_absmax_asm(u, v):
+    """max |x| over 16 bf16 elements held as two [R, NB, 4] int32 tensors of packed pairs, as fp32
+    [R, NB]: the sign bits masked off, a tree of ``max.bf16x2`` (exact on these non-negative values,
+    subnormals included), then the two halves. SM80+; the interpreter uses :func:`_absmax4`."""
+    u0, u1, u2, u3 = _words4(u)
+    v0, v1, v2, v3 = _words4(v)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 a0, a1, a2, a3, a4, a5, a6, a7;
+        and.b32 a0, $1, 0x7fff7fff;
+        and.b32 a1, $2, 0x7fff7fff;
+        and.b32 a2, $3, 0x7fff7fff;
+        and.b32 a3, $4, 0x7fff7fff;
+        and.b32 a4, $5, 0x7fff7fff;
+        and.b32 a5, $6, 0x7fff7fff;
+        and.b32 a6, $7, 0x7fff7fff;
+        and.b32 a7, $8, 0x7fff7fff;
+        max.bf16x2 a0, a0, a1;
+        max.bf16x2 a2, a2, a3;
+        max.bf16x2 a4, a4, a5;
+        max.bf16x2 a6, a6, a7;
+        max.bf16x2 a0, a0, a2;
+        max.bf16x2 a4, a4, a6;
+        max.bf16x2 a0, a0, a4;
+        prmt.b32 a1, a0, 0, 0x1032;
+        max.bf16x2 a0, a0, a1;
+        and.b32 $0, a0, 0xffff0000;
+        }""",
+        "=r,r,r,r,r,r,r,r,r", [u0, u1, u2, u3, v0, v1, v2, v3], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def bf16_signs_asm(w, magnitudes):
+    """``magnitudes | sign_bits(...)`` for 8 bf16 elements held as [R, NB, 4] int32 packed pairs,
+    with byte permutes: the sign bits (bits 15 and 31 of each pair) are gathered into
+    A = signs of elements 0, 2, 4, 6 at bits 7, 15, 23, 31 and B = elements 1, 3, 5, 7 at the same
+    bits, and the word is magnitudes | (A >> 4) & 0x08080808 | B & 0x80808080."""
+    w0, w1, w2, w3 = _words4(w)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 p, q, a, b;
+        prmt.b32 p, $1, $2, 0x7351;
+        prmt.b32 q, $3, $4, 0x7351;
+        prmt.b32 a, p, q, 0x5410;
+        prmt.b32 b, p, q, 0x7632;
+        shr.b32 a, a, 4;
+        and.b32 a, a, 0x08080808;
+        and.b32 b, b, 0x80808080;
+        or.b32 a, a, b;
+        or.b32 $0, a, $5;
+        }""",
+        "=r,r,r,r,r,r", [w0, w1, w2, w3, magnitudes], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def bf16_magnitudes_asm(w):
+    """Packed bf16 pairs (int32) to the fp32 magnitudes |x| of the (even, odd) elements: a shift or a
+    mask and an ``abs.f32`` inside the asm, which ptxas folds into the consumer's |.| operand
+    modifier (outside, LLVM would turn |x| of a bitcast integer into an integer mask)."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, u;
+        shl.b32 t, $2, 16;
+        and.b32 u, $2, 0xffff0000;
+        abs.f32 $0, t;
+        abs.f32 $1, u;
+        }""", "=r,=r,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _absmax4(lo0, hi0, lo1, hi1):
+    return tl.max(tl.maximum(tl.maximum(tl.abs(lo0), tl.abs(hi0)), tl.maximum(tl.abs(lo1), tl.abs(hi1))), axis=2)
+
+
+@triton.jit
+def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, ASM: tl.constexpr, EMULATE_FMA: tl.constexpr):
+    """The code word of one quarter (8 elements as even/odd [BM, NC, 4], and their packed bf16
+    pairs ``w`` when ASM) of blocks with scale d."""
+    if ASM:  # lo and hi are magnitudes already
+        a_lo, a_hi = lo, hi
+    else:
+        a_lo, a_hi = tl.abs(lo), tl.abs(hi)
+    if FAST:
+        m_lo = e2m1_magnitudes(div_by_reciprocal_pair(tl.minimum(a_lo, cap), d, y, y_lo, EMULATE_FMA))
+        m_hi = e2m1_magnitudes(div_by_reciprocal_pair(tl.minimum(a_hi, cap), d, y, y_lo, EMULATE_FMA))
+    else:
+        m_lo = f32_to_e2m1_codes(tl.math.div_rn(a_lo, d)) + 0x4B000000  # biased like e2m1_magnitudes
+        m_hi = f32_to_e2m1_codes(tl.math.div_rn(a_hi, d)) + 0x4B000000
+    if ASM:
+        return bf16_signs_asm(w, pack_magnitudes(m_lo, m_hi))
+    else:
+        return pack_magnitudes(m_lo, m_hi) | sign_bits(lo, hi)
+
+
+@triton.jit
+def _load_quarter(x_ptr, rows, chunks, stride_xm, QUARTER: tl.constexpr, mask, WORDS: tl.constexpr,
+                  ASM: tl.constexpr):
+    """Elements 32 c + 8 QUARTER + 0..7 of the tile's rows: (even, odd) fp32 [BM, NC, 4] and, when
+    WORDS (bf16), the packed pairs as int32 [BM, NC, 4] (one 16-byte load; else a placeholder)."""
+    k = tl.arange(0, 4)
+    if WORDS:
+        offs = rows[:, None, None] * (stride_xm // 2) + chunks[None, :, None] * 16 + k[None, None, :]
+        if mask is None:
+            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + QUARTER * 4 + offs)
+        else:
+            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + QUARTER * 4 + offs, mask=mask[:, :, None], other=0)
+        if ASM:  # magnitudes only: the signs are read from w
+            lo, hi = bf16_magnitudes_asm(w)
+        else:
+            lo, hi = (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+        return lo, hi, w
+    else:
+        e = tl.arange(0, 8)
+        offs = rows[:, None, None] * stride_xm + chunks[None, :, None] * 32 + e[None, None, :]
+        if mask is None:
+            v = tl.load(x_ptr + QUARTER * 8 + offs).to(tl.float32)
+        else:
+            v = tl.load(x_ptr + QUARTER * 8 + offs, mask=mask[:, :, None], other=0.0).to(tl.float32)
+        lo, hi = tl.split(tl.reshape(v, (rows.shape[0], chunks.shape[0], 4, 2)))
+        return lo, hi, lo  # (no packed pairs: the third value is not used)
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr, data_ptr, scales_ptr,  # already offset to the tile's first row and column
+    rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    EMULATE_FMA: tl.constexpr,
+):
+    """Quantize one [BLOCK_M, BLOCK_K] tile. A thread holds chunks of 32 consecutive elements (two
+    blocks, A and B), loaded as four 8-element quarters of one layout, so that all 16 elements of
+    a block are in one thread (no cross-thread reduction) and the thread writes its chunk's 4 code
+    words (16 bytes) and 2 scale bytes with one store each.
+    MASKED: the tile has rows past M or columns past K (only rows < rows_left and blocks <
+    nblocks_left are valid); else no masks at all.
+    bf16 is read as packed pairs (int32); compiled (not EMULATE_FMA), their block maxima and sign
+    bits are computed two elements at a time with inline PTX (SM86+)."""
+    NC: tl.constexpr = BLOCK_K // 32
+    WORDS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    ASM: tl.constexpr = WORDS and not EMULATE_FMA
+    rows = tl.arange(0, BLOCK_M)
+    chunks = tl.arange(0, NC)
+    row_ok = rows < rows_left
+    if MASKED:
+        ok_a = row_ok[:, None] & (chunks * 2 < nblocks_left)[None, :]  # [BM, NC]
+        ok_b = row_ok[:, None] & (chunks * 2 + 1 < nblocks_left)[None, :]
+    else:
+        ok_a = None
+        ok_b = None
+    lo0, hi0, w0 = _load_quarter(x_ptr, rows, chunks, stride_xm, 0, ok_a, WORDS, ASM)
+    lo1, hi1, w1 = _load_quarter(x_ptr, rows, chunks, stride_xm, 1, ok_a, WORDS, ASM)
+    lo2, hi2, w2 = _load_quarter(x_ptr, rows, chunks, stride_xm, 2, ok_b, WORDS, ASM)
+    lo3, hi3, w3 = _load_quarter(x_ptr, rows, chunks, stride_xm, 3, ok_b, WORDS, ASM)
+    if ASM:
+        amax_a = bf16_absmax_asm(w0, w1)  # [BM, NC]
+        amax_b = bf16_absmax_asm(w2, w3)
+    else:
+        amax_a = _absmax4(lo0, hi0, lo1, hi1)
+        amax_b = _absmax4(lo2, hi2, lo3, hi3)
+
+    if FAST:
+        six_g = g * 6.0
+        y6, y6_lo = reciprocal_pair(six_g, EMULATE_FMA)
+        raw_cap = six_g * 512.0
+        d_a, s_a = nvfp4_block_scale(div_by_reciprocal_pair(tl.minimum(amax_a, raw_cap), six_g, y6, y6_lo,
+                                                            EMULATE_FMA), amax_a, g)
+        d_b, s_b = nvfp4_block_scale(div_by_reciprocal_pair(tl.minimum(amax_b, raw_cap), six_g, y6, y6_lo,
+                                                            EMULATE_FMA), amax_b, g)
+        y_a, ylo_a = reciprocal_pair(d_a, EMULATE_FMA)
+        y_b, ylo_b = reciprocal_pair(d_b, EMULATE_FMA)
+    else:
+        d_a, s_a = nvfp4_block_scale(tl.math.div_rn(amax_a, g * 6.0), amax_a, g)
+        d_b, s_b = nvfp4_block_scale(tl.math.div_rn(amax_b, g * 6.0), amax_b, g)
+        y_a, ylo_a, y_b, ylo_b = d_a, d_a, d_b, d_b  # unused
+    cap_a = (d_a * 6.0)[:, :, None]  # |x| >= 6 d has code 7 either way; keeps q below 7
+    cap_b = (d_b * 6.0)[:, :, None]
+    da, ya, yla = d_a[:, :, None], y_a[:, :, None], ylo_a[:, :, None]
+    db, yb, ylb = d_b[:, :, None], y_b[:, :, None], ylo_b[:, :, None]
+    q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, FAST, ASM, EMULATE_FMA)
+    q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, FAST, ASM, EMULATE_FMA)
+    q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, FAST, ASM, EMULATE_FMA)
+    q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, FAST, ASM, EMULATE_FMA)
+
+    # words [BM, NC, 4] in memory order: join(join(q0, q2), join(q1, q3))[..., k, i] = q_{2k+i}
+    words = tl.reshape(tl.join(tl.join(q0, q2), tl.join(q1, q3)), (BLOCK_M, NC, 4))
+    sbits = tl.join(s_a, s_b).to(tl.uint8)  # [BM, NC, 2]
+    four = tl.arange(0, 4)
+    two = tl.arange(0, 2)
+    w_offs = rows[:, None, None] * words_per_row + chunks[None, :, None] * 4 + four[None, None, :]
+    s_offs = rows[:, None, None] * scales_per_row + chunks[None, :, None] * 2 + two[None, None, :]
+    if MASKED:
+        w_ok = row_ok[:, None, None] & ((chunks[None, :, None] * 2 + four[None, None, :] // 2) < nblocks_left)
+        s_ok = row_ok[:, None, None] & ((chunks[None, :, None] * 2 + two[None, None, :]) < nblocks_left)
+        tl.store(data_ptr + w_offs, words, mask=w_ok)
+        tl.store(scales_ptr + s_offs, sbits, mask=s_ok)
+    else:
+        tl.store(data_ptr + w_offs, words)
+        tl.store(scales_ptr + s_offs, sbits)
+
+
+@triton.jit
 def nvfp4_quantize_kernel(
     x_ptr,       # [M, K] bf16/fp16/fp32, rows stride_xm apart, last dim contiguous
     data_ptr,    # [M, K // 8] int32 (the [M, K // 2] uint8 codes), contiguous: element 2j in the low nibble of byte j
@@ -175,53 +483,51 @@ def nvfp4_quantize_kernel(
 ):
     """Quantize x to NVFP4 (E2M1 codes, one E4M3 scale per 16 elements, an fp32 global scale g).
 
-    Grid: (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)). One program quantizes the tile
+    Grid: (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)); BLOCK_K >= 32. One program quantizes the tile
     x[BLOCK_M rows, BLOCK_K columns], i.e. BLOCK_M x BLOCK_K/16 blocks, and writes
-    data[those rows, BLOCK_K/8 words] and scales[those rows, BLOCK_K/16].
+    data[those rows, BLOCK_K/8 words] and scales[those rows, BLOCK_K/16] (:func:`_quantize_tile`).
     Per block: scale = e4m3(clamp(amax_b / (6 g), 2**-9, 448)), 1.0 when amax_b is 0; each
-    element's code = e2m1(x / (fp32(scale) * g)). A block's two halves come from two loads of
-    the same layout, so one thread holds all 16 elements of its blocks (no cross-thread
-    reduction, one packed 8-byte store per block).
+    element's code = e2m1(x / (fp32(scale) * g)).
     DYNAMIC: scale_ptr holds amax and every program derives the same g = amax / 2688 from it
     (a correctly rounded division, as ``fp4moe.quantize`` does on every device); program (0, 0)
     stores g. EMULATE_FMA: exact fused multiply-adds for the interpreter.
+
+    Offsets inside a tile are int32; only the tile's base offset is int64. Tiles that end
+    inside K, and all tiles when K is not a multiple of 32 (rows of codes then do not start on
+    16 bytes), take the masked variant; the others store 16-byte code words and 2-byte scales.
     """
-    tl.static_assert(BLOCK_K % 16 == 0)
-    NB: tl.constexpr = BLOCK_K // 16
+    tl.static_assert(BLOCK_K % 32 == 0)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)
-    blocks = pid_k * NB + tl.arange(0, NB)
-    ok = (rows < M)[:, None] & (blocks < K // 16)[None, :]  # [BLOCK_M, NB]
-    offs = rows64[:, None, None] * stride_xm + blocks[None, :, None] * 16 + tl.arange(0, 8)[None, None, :]
-    x_lo = tl.load(x_ptr + offs, mask=ok[:, :, None], other=0.0).to(tl.float32)      # [BLOCK_M, NB, 8]
-    x_hi = tl.load(x_ptr + offs + 8, mask=ok[:, :, None], other=0.0).to(tl.float32)  # [BLOCK_M, NB, 8]
-    amax = tl.maximum(tl.max(tl.abs(x_lo), axis=2), tl.max(tl.abs(x_hi), axis=2))   # [BLOCK_M, NB]
-
     g = tl.load(scale_ptr)
     if DYNAMIC:  # g = amax / (6 * 448), 1.0 when amax is 0
         g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)
         if (pid_m == 0) & (pid_k == 0):
             tl.store(gs_out_ptr, g)
 
-    if (g >= 4.0389678347315804e-28) & (g <= 4.153837486827862e34):  # 2**-91 .. 2**115
-        # Fast path, all in the normal range: divisions by a reciprocal and two FMA corrections.
-        six_g = g * 6.0
-        raw = div_by_reciprocal(tl.minimum(amax, six_g * 512.0), six_g, tl.math.div_rn(1.0, six_g), EMULATE_FMA)
-        d, sbits = nvfp4_block_scale(raw, amax, g)
-        y = tl.math.div_rn(1.0, d)[:, :, None]
-        cap = (d * 6.0)[:, :, None]  # |x| >= 6 d has code 7 either way; keeps q finite
-        dd = d[:, :, None]
-        c_lo = e2m1_codes(div_by_reciprocal(tl.minimum(tl.abs(x_lo), cap), dd, y, EMULATE_FMA), x_lo)
-        c_hi = e2m1_codes(div_by_reciprocal(tl.minimum(tl.abs(x_hi), cap), dd, y, EMULATE_FMA), x_hi)
+    row0 = pid_m * BLOCK_M
+    rows_left = M - row0
+    nblocks_left = K // 16 - pid_k * (BLOCK_K // 16)
+    words_per_row = K // 8
+    scales_per_row = K // 16
+    x_tile = x_ptr + row0.to(tl.int64) * stride_xm + pid_k * BLOCK_K
+    full = (K % 32 == 0) & (nblocks_left >= BLOCK_K // 16) & (rows_left >= BLOCK_M)
+    # Fast path, all in the normal range: divisions by a reciprocal pair (2**-91 <= g <= 2**100).
+    if (g >= 4.0389678347315804e-28) & (g <= 1.2676506002282294e30):
+        if full:
+            words_per_row = tl.multiple_of(words_per_row, 4)  # K % 32 == 0: rows start on 16 bytes
+            scales_per_row = tl.multiple_of(scales_per_row, 2)
+            _quantize_tile(x_tile, data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
+                           scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16),
+                           rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
+                           BLOCK_M, BLOCK_K, False, True, EMULATE_FMA)
+        else:
+            _quantize_tile(x_tile, data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
+                           scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16),
+                           rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
+                           BLOCK_M, BLOCK_K, True, True, EMULATE_FMA)
     else:
-        d, sbits = nvfp4_block_scale(tl.math.div_rn(amax, g * 6.0), amax, g)
-        c_lo = f32_to_e2m1_codes(tl.math.div_rn(x_lo, d[:, :, None])) + 0x4B000000  # biased like e2m1_codes
-        c_hi = f32_to_e2m1_codes(tl.math.div_rn(x_hi, d[:, :, None])) + 0x4B000000
-
-    words = tl.reshape(tl.join(pack_codes(c_lo), pack_codes(c_hi)), (BLOCK_M, 2 * NB))
-    wcols = pid_k * (2 * NB) + tl.arange(0, 2 * NB)
-    tl.store(data_ptr + rows64[:, None] * (K // 8) + wcols[None, :], words,
-             mask=(rows < M)[:, None] & (wcols < K // 8)[None, :])
-    tl.store(scales_ptr + rows64[:, None] * (K // 16) + blocks[None, :], sbits.to(tl.uint8), mask=ok)
+        _quantize_tile(x_tile, data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
+                       scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16),
+                       rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
+                       BLOCK_M, BLOCK_K, True, False, EMULATE_FMA)

@@ -29,7 +29,7 @@ __all__ = ["QuantizeConfig", "quantize_activations", "quantize_activations_refer
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
-_ABSMAX_ROW_STEPS = 4  # tiles per absmax program: 4x fewer atomics on the one amax word
+_ABSMAX_ROW_STEPS = 8  # tiles per absmax program: fewer atomics on the one amax word (H200: 8 beat 1 by 10%)
 # The interpreter's tl.fma rounds twice; the kernel then emulates a fused multiply-add exactly.
 _EMULATE_FMA = isinstance(nvfp4_quantize_kernel, InterpretedFunction)
 
@@ -56,11 +56,13 @@ class QuantizeConfig:
 
     @classmethod
     def from_heuristic(cls, M: int, K: int) -> QuantizeConfig:
-        """Tiles of up to 8192 elements (16 KB of bf16 in flight per program), at most 512 columns
-        wide so that wide rows still spread over several programs, 32 elements per thread
-        (two 16-byte loads per block of 16; about 80 registers on SM90)."""
+        """Small tiles of up to 2048 elements, at most 512 columns wide, 32 elements per thread
+        (64 threads for [4, 512]; about 70 registers on SM90): on an H200, bf16 [16384, 6144]
+        with a given scale ran 81.3 us at [4, 512] x 2 warps, 86.0 at [8, 512] x 4, 98.6 at
+        [16, 512] x 8 and 108.8-181 us with 64 elements per thread (register-limited occupancy;
+        ``scripts/sweep_quantize.py``, benchmarks/raw/sweep-quantize-h200.json)."""
         block_k = min(512, triton.next_power_of_2(max(K, _BLOCK)))
-        block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 8192 // block_k))
+        block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 2048 // block_k))
         num_warps = max(1, min(8, block_m * block_k // 1024))
         return cls(block_m=block_m, block_k=block_k, num_warps=num_warps)
 
@@ -132,6 +134,8 @@ def quantize_activations(
     x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if x2.dtype == torch.bfloat16 and M > 1 and (x2.data_ptr() % 4 or x2.stride(0) % 2):
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # the kernel reads bf16 pairs as int32 words
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((M, K // _BLOCK), dtype=torch.uint8, device=x.device)
     dynamic = gs is None
@@ -139,15 +143,16 @@ def quantize_activations(
         gs = torch.ones((), dtype=torch.float32, device=x.device)  # the reference's value for empty x
     if M and K:
         cfg = config or QuantizeConfig.from_heuristic(M, K)
-        tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        block_k = max(cfg.block_k, 2 * _BLOCK)  # the kernel's tiles are whole 32-element chunks
+        tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=block_k, num_warps=cfg.num_warps)
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             scale_in = gs
             if dynamic:
                 amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-                absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
+                absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, block_k))
                 absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
                 scale_in = amax_bits.view(torch.float32)
-            grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
+            grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, block_k))
             nvfp4_quantize_kernel[grid](
                 x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
                 DYNAMIC=dynamic, EMULATE_FMA=_EMULATE_FMA, **tile)

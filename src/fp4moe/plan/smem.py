@@ -320,12 +320,14 @@ def linear_smem(block_n: int, block_m: int, block_k: int, num_warps: int, num_st
 # nvfp4_quantize_kernel
 
 
-def quantize_smem(block_m: int, block_k: int, num_warps: int) -> SmemBreakdown:
-    """Shared memory of ``nvfp4_quantize_kernel``: the packed codes, int32 words [BLOCK_M, BLOCK_K/8],
-    are re-laid out through shared memory for their stores: BLOCK_M * BLOCK_K / 2 bytes, at
-    least 128 (measured on cc 80, 90, 100 and 120 for 1..8 warps; a one-row tile of one warp
-    converts in registers and uses none, which the model does not try to predict)."""
+def quantize_smem(block_m: int, block_k: int, num_warps: int, x_dtype: str = "bf16") -> SmemBreakdown:
+    """Shared memory of ``nvfp4_quantize_kernel``. 16-bit inputs: none (each thread loads its 32
+    consecutive values as 16-byte vectors and stores its codes and scales itself). fp32 inputs: the
+    packed codes, int32 words [BLOCK_M, BLOCK_K/8], are re-laid out through shared memory for their
+    stores: BLOCK_M * BLOCK_K / 2 bytes, at least 128 (cross-compiled on cc 80, 90, 100, 120)."""
     del num_warps
+    if x_dtype != "fp32":
+        return SmemBreakdown(())
     return SmemBreakdown((SmemTerm("packed codes to store layout", max(128, block_m * block_k // 2),
                                    source="ttg.convert_layout of the int32 code words before the store"),))
 

@@ -483,7 +483,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
 
     def smem_model(self, config, problem: QuantizeProblem, arch: Arch) -> SmemBreakdown:
         self.check_config(config)
-        return quantize_smem(config.block_m, config.block_k, config.num_warps)
+        return quantize_smem(config.block_m, config.block_k, config.num_warps, problem.x_dtype)
 
     def compile_request(self, config, problem: QuantizeProblem, arch: Arch) -> CompileRequest:
         """The request, built from the kernel's parameter list as it stands in its source file."""
