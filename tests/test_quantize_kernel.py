@@ -22,7 +22,8 @@ import triton.language as tl
 
 from fp4moe import FP4Tensor, quantize
 from fp4moe.formats import e2m1_encode, nvfp4_block_scales
-from fp4moe.kernels.quantize import div_by_reciprocal, e2m1_codes, e4m3_round, nvfp4_quantize_kernel
+from fp4moe.kernels.quantize import (div_by_reciprocal_pair, e2m1_magnitudes, e4m3_round, nvfp4_quantize_kernel,
+                                     reciprocal_pair)
 from fp4moe.ops.quantize import (
     _EMULATE_FMA,
     QuantizeConfig,
@@ -144,11 +145,12 @@ CASES = [
     Case("ties", ties, m=8, k=64, dtype=torch.float32, global_scale=1.0),
     Case("ties-bf16", ties, m=8, k=64, global_scale=1.0),
     Case("near-boundaries", near_boundaries, m=32, k=256, dtype=torch.float32, global_scale=1.0),
-    # global scales outside [2**-91, 2**115] take the kernel's per-element division path
+    # global scales outside [2**-91, 2**100] take the kernel's per-element division path
     Case("wide-range-huge-g", wide_range, m=4, k=1024, dtype=torch.float32, global_scale=1e36),
     Case("wide-range-tiny-g", wide_range, m=4, k=1024, dtype=torch.float32, global_scale=1e-36),
     Case("wide-range-dynamic", wide_range, m=4, k=1024, dtype=torch.float32),
-    # amax near fp32's max: the dynamic g (about 1.1e35) is above 2**115 -> division path
+    Case("huge-g-bf16", normal, m=4, k=1024, global_scale=1e35),  # bf16 words, division path
+    # amax near fp32's max: the dynamic g (about 1.1e35) is above 2**100 -> division path
     Case("huge-dynamic", lambda m, k, g: (torch.rand(m, k, generator=g) * 2 - 1) * 3e38, m=2, k=64,
          dtype=torch.float32),
     Case("all-zero", lambda m, k, g: torch.zeros(m, k), m=3, k=48),  # dynamic scale -> 1.0
@@ -205,14 +207,14 @@ def test_one_dimensional_and_empty(device):
 def test_config_pins_give_the_same_bits(device):
     x = torch.randn(5, 96, generator=_gen(5)).to(torch.bfloat16).to(device)
     want = quantize_activations_reference(x)
-    for cfg in (QuantizeConfig(1, 16, 1), QuantizeConfig(4, 64, 2), QuantizeConfig(64, 128, 4)):
+    for cfg in (QuantizeConfig(1, 32, 1), QuantizeConfig(4, 64, 2), QuantizeConfig(64, 128, 4)):
         assert_same(quantize_activations(x, config=cfg), want)
 
 
 def test_heuristic():
     big = QuantizeConfig.from_heuristic(16384, 6144)
     assert big == QuantizeConfig(block_m=4, block_k=512, num_warps=2)
-    assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=16, num_warps=1)
+    assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=32, num_warps=1)
     assert QuantizeConfig.from_heuristic(3, 48).block_k == 64
     with pytest.raises(AttributeError):
         big.block_m = 2  # frozen
@@ -272,23 +274,20 @@ def test_e4m3_round_matches_torch(device):
 
 
 @triton.jit
-def _e2m1_kernel(q_ptr, x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _e2m1_kernel(q_ptr, out_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    codes = e2m1_codes(tl.load(q_ptr + offs, mask=mask, other=0.0), tl.load(x_ptr + offs, mask=mask, other=0.0))
-    tl.store(out_ptr + offs, codes, mask=mask)
+    tl.store(out_ptr + offs, e2m1_magnitudes(tl.load(q_ptr + offs, mask=mask, other=0.0)), mask=mask)
 
 
-def test_e2m1_codes_match_reference(device):
-    """Every E2M1 value and tie +-1 ulp, tiny and saturating magnitudes, random values, both signs."""
+def test_e2m1_magnitudes_match_reference(device):
+    """Every E2M1 value and tie +-1 ulp, tiny and saturating magnitudes, random values in [0, 7)."""
     points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 6.9])
-    q = torch.cat([_around(points), torch.tensor([1e-45, 1e-30]),
-                   torch.rand(1 << 16, generator=_gen(8)) * 6.99])
-    x = torch.cat([q, -q])  # x carries the sign; -0.0 included
-    q = torch.cat([q, q])
+    q = torch.cat([_around(points), torch.tensor([0.0, 1e-45, 1e-30]),
+                   torch.rand(1 << 16, generator=_gen(8)) * 6.99]).clamp(min=0.0)
     out = torch.empty(q.shape, dtype=torch.int32, device=device)
-    _e2m1_kernel[(triton.cdiv(q.numel(), 4096),)](q.to(device), x.to(device), out, q.numel(), BLOCK=4096)
-    assert torch.equal(out.cpu() - 0x4B000000, e2m1_encode(x).to(torch.int32))  # x = +-q; codes are biased
+    _e2m1_kernel[(triton.cdiv(q.numel(), 4096),)](q.to(device), out, q.numel(), BLOCK=4096)
+    assert torch.equal(out.cpu() - 0x4B000000, e2m1_encode(q).to(torch.int32))  # codes are biased
 
 
 @triton.jit
@@ -297,15 +296,17 @@ def _div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, EMULATE_FMA: tl.c
     mask = offs < N
     a = tl.load(a_ptr + offs, mask=mask, other=1.0)
     d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-    tl.store(out_ptr + offs, div_by_reciprocal(a, d, tl.math.div_rn(1.0, d), EMULATE_FMA), mask=mask)
+    y, y_lo = reciprocal_pair(d, EMULATE_FMA)
+    tl.store(out_ptr + offs, div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA), mask=mask)
 
 
-def test_division_by_reciprocal_is_correctly_rounded(device):
-    """Quotients 0..7 for divisors whose significands crowd 1 and 2 (where q = RN(a / d) is hardest)."""
+def test_division_by_reciprocal_pair_is_correctly_rounded(device):
+    """Quotients 0..7 for divisors whose significands crowd 1 and 2 (where q = RN(a / d) is hardest),
+    across the kernel's divisor range (2**-100 .. 2**109)."""
     g = _gen(9)
     n = 1 << 18
     sig = torch.cat([1 + torch.rand(n // 2, generator=g) ** 8, 2 - torch.rand(n // 2, generator=g) ** 8])
-    d = torch.ldexp(sig, torch.randint(-90, 90, (n,), generator=g)).float()
+    d = torch.ldexp(sig, torch.randint(-100, 108, (n,), generator=g)).float()
     a = (torch.rand(n, generator=g) * 7 * d).float()
     out = torch.empty(n, device=device)
     _div_kernel[(triton.cdiv(n, 4096),)](a.to(device), d.to(device), out, n, BLOCK=4096, EMULATE_FMA=_EMULATE_FMA)
@@ -329,8 +330,8 @@ def test_bad_inputs_are_named(device):
         (lambda: q(x, "1"), TypeError, "global_scale: expected a float, a one-element tensor or None, got str"),
         (lambda: q(x, torch.ones(2)), ValueError, "global_scale: expected one value, got a tensor of shape (2,)"),
         (lambda: q(x, config=(1, 16, 1)), TypeError, "config: expected a QuantizeConfig or None, got tuple"),
-        (lambda: QuantizeConfig(3, 16, 1), ValueError, "block_m: expected a power of two, got 3"),
-        (lambda: QuantizeConfig(1, 8, 1), ValueError, "block_k: expected a power of two >= 16, got 8"),
+        (lambda: QuantizeConfig(3, 32, 1), ValueError, "block_m: expected a power of two, got 3"),
+        (lambda: QuantizeConfig(1, 16, 1), ValueError, "block_k: expected a power of two >= 32"),
     ]
     for call, error, message in cases:
         with pytest.raises(error) as info:

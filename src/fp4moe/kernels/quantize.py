@@ -68,22 +68,6 @@ def nvfp4_block_scale(raw, amax, g):
 
 
 @triton.jit
-def f32_to_e2m1_codes(q):
-    """fp32 values (already divided by their scale) to E2M1 codes (int32, 0..15).
-
-    Same rule as ``formats.e2m1_encode``: round to nearest, ties to the even code (a strict
-    comparison where the lower neighbour is even), saturate at 6, keep the sign of values that
-    round to zero (-0.1 -> code 8).
-    """
-    a = tl.abs(q)
-    code = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-            + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-            + (a > 5.0).to(tl.int32))
-    sign = (q.to(tl.int32, bitcast=True) >> 31) & 1
-    return code | (sign << 3)
-
-
-@triton.jit
 def fma_rn(a, b, c, EMULATE_FMA: tl.constexpr):
     """fp32 ``RN(a * b + c)``, rounded once.
 
@@ -103,54 +87,6 @@ def fma_rn(a, b, c, EMULATE_FMA: tl.constexpr):
         return bits.to(tl.float64, bitcast=True).to(tl.float32)
     else:
         return tl.fma(a, b, c)
-
-
-@triton.jit
-def div_by_reciprocal(a, d, y, EMULATE_FMA: tl.constexpr):
-    """``RN(a / d)`` from ``y = RN(1 / d)`` with four fused multiply-adds (Markstein).
-
-    q0 = RN(a y) is within 1.5 ulp of a / d; one correction makes it faithful (within 1 ulp),
-    and with y within half an ulp of 1 / d, Markstein's theorem makes the second correction
-    the correctly rounded quotient, its remainder a - d q being exact. Valid while a / d,
-    the remainders and y stay normal (see the kernel's range check); tiny a gives a tiny q.
-    """
-    q = a * y
-    q = fma_rn(fma_rn(-d, q, a, EMULATE_FMA), y, q, EMULATE_FMA)
-    return fma_rn(fma_rn(-d, q, a, EMULATE_FMA), y, q, EMULATE_FMA)
-
-
-@triton.jit
-def e2m1_codes(q, x):
-    """E2M1 codes of fp32 values 0 <= q < 7 with the sign of x, biased: 0x4B000000 + code (int32).
-
-    c0 = RNE(2 q) is right for q <= 2, c1 = RNE(q) + 2 for 2 <= q <= 4, c2 = RNE(q / 2) + 4
-    above, and each of them over-counts outside its range, so the magnitude code is
-    min(c0, c1, c2). RNE(v) + k is read from the bits of the fp32 sum v + 2**23 + k (one
-    rounding, ties to even; k even keeps the parity), which are 0x4B000000 + RNE(v) + k: the
-    bias stays and :func:`pack_codes` removes it. Ties go to the even code as in
-    ``formats.e2m1_encode``; the sign bit (code 8) comes from x, so -0.0 gives code 8.
-    """
-    c0 = q * 2.0 + 8388608.0  # 2**23
-    c1 = q + 8388610.0
-    c2 = q * 0.5 + 8388612.0
-    magnitude = tl.minimum(tl.minimum(c0, c1), c2).to(tl.int32, bitcast=True)
-    return magnitude + (x.to(tl.uint32, bitcast=True) >> 31).to(tl.int32) * 8
-
-
-@triton.jit
-def pack_codes(codes):
-    """Biased codes [R, NB, 8] (0x4B000000 + code, code 0..15) to int32 words [R, NB]: code j in
-    bits 4j..4j+3, so the little-endian bytes hold element 2j in the low nibble of byte j.
-
-    The words are sums code_j * 16**j with wrap-around; the 8 biases add up to 0xFB000000
-    (mod 2**32), which one addition of 0x05000000 cancels.
-    """
-    R: tl.constexpr = codes.shape[0]
-    NB: tl.constexpr = codes.shape[1]
-    lo, hi = tl.split(tl.reshape(codes, (R, NB, 4, 2)))
-    lo, hi = tl.split(tl.reshape(lo + hi * 16, (R, NB, 2, 2)))
-    lo, hi = tl.split(tl.reshape(lo + hi * 256, (R, NB, 1, 2)))
-    return tl.reshape(lo + hi * 65536, (R, NB)) + 0x05000000
 
 
 @triton.jit
@@ -214,7 +150,7 @@ def div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA: tl.constexpr):
     q0 = RN(a y + RN(a y_lo)) is a rounding of a / d (1 + e) with |e| <= 2**-34 in the kernel's
     range, hence faithful (within 1 ulp); then r = a - d q0 is exact and, y being RN(1 / d),
     RN(q0 + r y) is the correctly rounded quotient (Markstein's theorem). Valid under the same
-    range conditions as :func:`div_by_reciprocal` (see the kernel).
+    range conditions (module docstring; the kernel checks them per call).
     """
     q = fma_rn(a, y, a * y_lo, EMULATE_FMA)
     return fma_rn(fma_rn(-d, q, a, EMULATE_FMA), y, q, EMULATE_FMA)
@@ -222,7 +158,14 @@ def div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA: tl.constexpr):
 
 @triton.jit
 def e2m1_magnitudes(q):
-    """:func:`e2m1_codes` without the sign: 0x4B000000 + E2M1 code of |q| (0..7) for 0 <= q < 7."""
+    """E2M1 magnitude codes of fp32 values 0 <= q < 7, biased: 0x4B000000 + code (0..7, int32).
+
+    c0 = RNE(2 q) is right for q <= 2, c1 = RNE(q) + 2 for 2 <= q <= 4, c2 = RNE(q / 2) + 4
+    above, and each of them over-counts outside its range, so the code is min(c0, c1, c2).
+    RNE(v) + k is read from the bits of the fp32 sum v + 2**23 + k (one rounding, ties to even;
+    k even keeps the parity), which are 0x4B000000 + RNE(v) + k: the bias stays and
+    :func:`pack_magnitudes` removes it. Ties go to the even code as in ``formats.e2m1_encode``;
+    the signs are added separately (:func:`sign_bits`, ``bf16_signs_asm``)."""
     c0 = q * 2.0 + 8388608.0  # 2**23
     c1 = q + 8388610.0
     c2 = q * 0.5 + 8388612.0
@@ -356,8 +299,9 @@ def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, ASM: tl.conste
         m_lo = e2m1_magnitudes(div_by_reciprocal_pair(tl.minimum(a_lo, cap), d, y, y_lo, EMULATE_FMA))
         m_hi = e2m1_magnitudes(div_by_reciprocal_pair(tl.minimum(a_hi, cap), d, y, y_lo, EMULATE_FMA))
     else:
-        m_lo = f32_to_e2m1_codes(tl.math.div_rn(a_lo, d)) + 0x4B000000  # biased like e2m1_magnitudes
-        m_hi = f32_to_e2m1_codes(tl.math.div_rn(a_hi, d)) + 0x4B000000
+        # every q >= 6 has the saturated code: clamping keeps e2m1_magnitudes in its domain
+        m_lo = e2m1_magnitudes(tl.minimum(tl.math.div_rn(a_lo, d), 6.0))
+        m_hi = e2m1_magnitudes(tl.minimum(tl.math.div_rn(a_hi, d), 6.0))
     if ASM:
         return bf16_signs_asm(w, pack_magnitudes(m_lo, m_hi))
     else:
@@ -368,7 +312,8 @@ def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, ASM: tl.conste
 def _load_quarter(x_ptr, rows, chunks, stride_xm, QUARTER: tl.constexpr, mask, WORDS: tl.constexpr,
                   ASM: tl.constexpr):
     """Elements 32 c + 8 QUARTER + 0..7 of the tile's rows: (even, odd) fp32 [BM, NC, 4] and, when
-    WORDS (bf16), the packed pairs as int32 [BM, NC, 4] (one 16-byte load; else a placeholder)."""
+    WORDS (bf16), the packed pairs as int32 [BM, NC, 4] (one 16-byte load; otherwise the third value
+    repeats the even elements and is not read)."""
     k = tl.arange(0, 4)
     if WORDS:
         offs = rows[:, None, None] * (stride_xm // 2) + chunks[None, :, None] * 16 + k[None, None, :]

@@ -29,6 +29,7 @@ __all__ = ["QuantizeConfig", "quantize_activations", "quantize_activations_refer
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
+_CHUNK = 2 * _BLOCK  # consecutive elements per thread: tiles are whole chunks (K may end mid-chunk: masked)
 _ABSMAX_ROW_STEPS = 8  # tiles per absmax program: fewer atomics on the one amax word (H200: 8 beat 1 by 10%)
 # The interpreter's tl.fma rounds twice; the kernel then emulates a fused multiply-add exactly.
 _EMULATE_FMA = isinstance(nvfp4_quantize_kernel, InterpretedFunction)
@@ -49,8 +50,9 @@ class QuantizeConfig:
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_m):
             raise ValueError(f"block_m: expected a power of two, got {self.block_m}")
-        if not (_is_pow2(self.block_k) and self.block_k >= _BLOCK):
-            raise ValueError(f"block_k: expected a power of two >= {_BLOCK}, got {self.block_k}")
+        if not (_is_pow2(self.block_k) and self.block_k >= _CHUNK):
+            raise ValueError(f"block_k: expected a power of two >= {_CHUNK} (the kernel's per-thread chunk), "
+                             f"got {self.block_k}")
         if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
             raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
 
@@ -61,7 +63,7 @@ class QuantizeConfig:
         with a given scale ran 81.3 us at [4, 512] x 2 warps, 86.0 at [8, 512] x 4, 98.6 at
         [16, 512] x 8 and 108.8-181 us with 64 elements per thread (register-limited occupancy;
         ``scripts/sweep_quantize.py``, benchmarks/raw/sweep-quantize-h200.json)."""
-        block_k = min(512, triton.next_power_of_2(max(K, _BLOCK)))
+        block_k = min(512, triton.next_power_of_2(max(K, _CHUNK)))
         block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 2048 // block_k))
         num_warps = max(1, min(8, block_m * block_k // 1024))
         return cls(block_m=block_m, block_k=block_k, num_warps=num_warps)
@@ -143,16 +145,15 @@ def quantize_activations(
         gs = torch.ones((), dtype=torch.float32, device=x.device)  # the reference's value for empty x
     if M and K:
         cfg = config or QuantizeConfig.from_heuristic(M, K)
-        block_k = max(cfg.block_k, 2 * _BLOCK)  # the kernel's tiles are whole 32-element chunks
-        tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=block_k, num_warps=cfg.num_warps)
+        tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             scale_in = gs
             if dynamic:
                 amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-                absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, block_k))
+                absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
                 absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
                 scale_in = amax_bits.view(torch.float32)
-            grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, block_k))
+            grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
             nvfp4_quantize_kernel[grid](
                 x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
                 DYNAMIC=dynamic, EMULATE_FMA=_EMULATE_FMA, **tile)
