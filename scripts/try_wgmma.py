@@ -4,7 +4,7 @@ Usage: PYTHONPATH=src python3 scripts/try_wgmma.py [--out DIR] [--quick]"""
 import json, sys, traceback
 import torch
 from fp4moe.formats import NVFP4, MXFP4
-from fp4moe.quantize import quantize, quantize_stacked, FP4Tensor
+from fp4moe.quantize import quantize, quantize_stacked
 from fp4moe.ops.linear import fp4_linear_reference, launch_linear, choose_config
 from fp4moe.ops.mma_layout import pack_mma, launch_linear_wgmma, WgmmaConfig
 from fp4moe.ops import moe as moe_ops
@@ -53,19 +53,10 @@ for fmt in ("nvfp4", "mxfp4"):
                                                  (257, 5, 1, 128, 64, "silu", False, False)]:
         for bm in (64, 128):
             try:
-                g = torch.Generator().manual_seed(T)
-                x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
-                w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
-                if per_row and w13.global_scale is not None:
-                    gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
-                    w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
-                w13 = w13.to(dev)
-                w2 = quantize(torch.randn(E, H, I, generator=g), fmt).to(dev)
-                ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(dev, torch.int32)
-                ids[3, 0] = -1
-                wts = torch.rand(T, k, generator=g).to(dev) * (ids >= 0)
-                b13 = torch.randn(E, 2 * I, generator=g).to(dev, torch.bfloat16) if bias else None
-                b2 = torch.randn(E, H, generator=g).to(dev, torch.bfloat16) if bias else None
+                p = moe_ops.random_moe_problem(T, E, k, H, I, fmt, device=dev, seed=T, per_row=per_row and fmt == "nvfp4", bias=bias,
+                                               dropped=(3, 0))
+                x, w13, w2, ids, wts, b13, b2 = (p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias,
+                                                 p.w2_bias)
                 cfg = WgmmaConfig(block_m=bm, warps=4 if bm == 64 else 8)
                 packed = (moe_ops.mma_packed_experts(w13), moe_ops.mma_packed_experts(w2))
                 out = torch.empty(T, H, device=dev, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 
 from fp4moe.formats import MXFP4, NVFP4
 from fp4moe.ops.mma_layout import WGMMA_MIN_M, WgmmaConfig, _x_pairs, choose_wgmma_config
-from fp4moe.quantize import FP4Tensor, quantize
+from fp4moe.quantize import quantize
 
 FMTS = [NVFP4, MXFP4]
 
@@ -105,7 +105,11 @@ def test_cross_compiles_for_sm90():
 
 
 def _hopper():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    """The GPU has wgmma (the catalogue's word, not a capability test)."""
+    from fp4moe.ops.linear import device_arch
+
+    arch = device_arch(torch.device("cuda")) if torch.cuda.is_available() else None
+    return arch is not None and arch.bf16_mma == "wgmma"
 
 
 @pytest.mark.gpu
@@ -117,7 +121,7 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
     from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
 
     if not _hopper():
-        pytest.skip("wgmma is SM90")
+        pytest.skip("the wgmma kernel needs an architecture with wgmma (SM90)")
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = quantize(torch.randn(N, K, device="cuda"), fmt)
@@ -138,7 +142,7 @@ def test_gpu_fp4_linear_routes_prefill_to_wgmma_and_graphs_work():
     from fp4moe.ops.linear import fp4_linear_reference
 
     if not _hopper():
-        pytest.skip("wgmma is SM90")
+        pytest.skip("the wgmma kernel needs an architecture with wgmma (SM90)")
     torch.manual_seed(0)
     m = FP4Linear.from_linear(torch.nn.Linear(2048, 1024, bias=True), "nvfp4").cuda().to(torch.bfloat16)
     x = torch.randn(3, 100, 2048, device="cuda", dtype=torch.bfloat16)  # 300 rows
@@ -165,26 +169,16 @@ def test_gpu_moe_prefill_on_wgmma(fmt, activation, per_row, bias, T, E, k, H, I)
     """fp4_moe_experts routes prefill-sized W4A16 layers (gate-then-up w13) to the wgmma kernel:
     same numbers as the reference, dropped slots skipped, deterministic."""
     from fp4moe import guard
-    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference
-    from fp4moe.quantize import quantize_stacked
+    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference, random_moe_problem
 
     if not _hopper():
-        pytest.skip("wgmma is SM90")
+        pytest.skip("the wgmma kernel needs an architecture with wgmma (SM90)")
     if fmt is MXFP4 and per_row:
         pytest.skip("MXFP4 has no global scales")
-    g = torch.Generator().manual_seed(T)
-    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
-    if per_row:
-        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
-        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
-    w13, w2 = w13.to("cuda"), quantize_stacked(torch.randn(E, H, I, generator=g), fmt).to("cuda")
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to("cuda", torch.int32)
-    ids[0, -1] = -1  # a dropped slot
-    wts = torch.rand(T, k, generator=g).to("cuda") * (ids >= 0)
-    b13 = torch.randn(E, 2 * I, generator=g).to("cuda", torch.bfloat16) if bias else None
-    b2 = torch.randn(E, H, generator=g).to("cuda", torch.bfloat16) if bias else None
-    kw = dict(activation=activation, w13_bias=b13, w2_bias=b2)
+    p = random_moe_problem(T, E, k, H, I, fmt.name, device="cuda", seed=T, per_row=per_row, bias=bias,
+                           dropped=(0, k - 1))
+    x, w13, w2, ids, wts = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights
+    kw = dict(activation=activation, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
     y = fp4_moe_experts(x, w13, w2, ids, wts, **kw)
     assert any(key.kernel.startswith("fp4_moe_wgmma") for key in guard._checked)
     ref = fp4_moe_reference(x, w13, w2, ids, wts, **kw).float()

@@ -236,25 +236,15 @@ def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bia
     """fp4_moe_experts routes decode-sized W4A16 layers to the grouped MMA-layout kernel: same
     numbers as the reference, dropped slots skipped, deterministic."""
     from fp4moe import guard
-    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference
-    from fp4moe.quantize import quantize_stacked
+    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference, random_moe_problem
 
     if fmt is MXFP4 and per_row:
         pytest.skip("MXFP4 has no global scales")
-    g = torch.Generator().manual_seed(T)
-    E, k, H, I = 64, 8, 1024, 512
-    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
-    if per_row:
-        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
-        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
-    w13, w2 = w13.to("cuda"), quantize_stacked(torch.randn(E, H, I, generator=g), fmt).to("cuda")
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to("cuda", torch.int32)
-    ids[0, -1] = -1  # a dropped slot
-    wts = torch.rand(T, k, generator=g).to("cuda") * (ids >= 0)
-    b13 = torch.randn(E, 2 * I, generator=g).to("cuda", torch.bfloat16) if bias else None
-    b2 = torch.randn(E, H, generator=g).to("cuda", torch.bfloat16) if bias else None
-    kw = dict(activation=activation, interleaved=interleaved, w13_bias=b13, w2_bias=b2)
+    E, k = 64, 8
+    p = random_moe_problem(T, E, k, 1024, 512, fmt.name, device="cuda", seed=T, per_row=per_row, bias=bias,
+                           dropped=(0, k - 1))
+    x, w13, w2, ids, wts = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights
+    kw = dict(activation=activation, interleaved=interleaved, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
     y = fp4_moe_experts(x, w13, w2, ids, wts, **kw)
     assert any(key.kernel.startswith("fp4_moe_mma") for key in guard._checked)
     ref = fp4_moe_reference(x, w13, w2, ids, wts, **kw).float()
@@ -273,24 +263,13 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     emulation of its contract (partials of the packed weights, which carry no global scale)."""
     from fp4moe.ops import mma_layout
     from fp4moe.ops.dispatch import dispatch
-    from fp4moe.ops.moe import _run_mma, fp4_moe_reference, mma_moe_config, mma_packed_experts
-    from fp4moe.quantize import quantize_stacked
+    from fp4moe.ops.moe import _run_mma, fp4_moe_reference, mma_moe_config, mma_packed_experts, random_moe_problem
 
     if fmt is MXFP4 and per_row:
         pytest.skip("MXFP4 has no global scales")
-    g = torch.Generator().manual_seed(7)
     T, E, k, H, I = 5, 6, 3, 64, 32
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
-    if per_row:
-        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
-        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
-    w2 = quantize_stacked(torch.randn(E, H, I, generator=g), fmt)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
-    ids[2, 1] = -1  # a dropped slot
-    wts = torch.rand(T, k, generator=g) * (ids >= 0)
-    b13 = torch.randn(E, 2 * I, generator=g).to(torch.bfloat16) if bias else None
-    b2 = torch.randn(E, H, generator=g).to(torch.bfloat16) if bias else None
+    p = random_moe_problem(T, E, k, H, I, fmt.name, device="cpu", seed=7, per_row=per_row, bias=bias, dropped=(2, 1))
+    x, w13, w2, ids, wts, b13, b2 = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias, p.w2_bias
 
     def emulated(x2, p, n_per_expert, plan, config, *, gather):
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])

@@ -359,6 +359,12 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     return out
 
 
+def fuses_activation(n_per_expert: int) -> bool:
+    """GEMM 1 can apply the activation in the wgmma kernel: the gate and up halves of each expert's
+    2I rows are whole 16-row blocks (I a multiple of 16), one register repeat each."""
+    return n_per_expert % (2 * ROWS) == 0
+
+
 def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, out: torch.Tensor,
                          config: WgmmaConfig, *, gather: bool, swiglu: int = 0, alpha: float = 0.0,
                          limit: float = 0.0, globals_: tuple[torch.Tensor | None, int] = (None, 0),
@@ -376,7 +382,7 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
     if p.global_scale is not None:
         raise ValueError("p: grouped weights are packed without global scales")
-    if swiglu and n_per_expert % 32:
+    if swiglu and not fuses_activation(n_per_expert):
         raise ValueError(f"n_per_expert: the fused activation needs 2I a multiple of 32, got {n_per_expert}")
     xp = _x_pairs(x2)
     wg, wg_mode = globals_

@@ -299,14 +299,14 @@ def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: s
     MAX_M rows per expert) on the mma.sync kernel (every catalogued GPU, SM80 on, has it): an
     ``MMAConfig``; larger ones on SM90 on the wgmma kernel with the activation fused into GEMM 1
     (gate rows then up rows; I a multiple of 16): a ``WgmmaConfig``."""
-    from .mma_layout import MAX_M, ROWS
+    from .mma_layout import MAX_M, ROWS, fuses_activation
 
     if not (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None
             and w13.shape[1] % ROWS == 0 and w2.shape[1] % ROWS == 0):
         return None
     if rows_per_expert <= MAX_M:
         return mma_moe_config(rows_per_expert)
-    if arch.bf16_mma == "wgmma" and not interleaved and w13.shape[1] % 32 == 0:
+    if arch.bf16_mma == "wgmma" and not interleaved and fuses_activation(w13.shape[1]):
         return wgmma_moe_config(rows_per_expert)
     return None
 
@@ -448,36 +448,65 @@ def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, inte
                        w2_bias, shared_out, out)
 
 
+@dataclass
+class MoEProblem:
+    """A random MoE layer's inputs (``random_moe_problem``): the arguments of ``fp4_moe_experts``."""
+
+    x: torch.Tensor
+    w13: FP4Tensor
+    w2: FP4Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+
+
+def random_moe_problem(T: int, E: int, k: int, H: int, I: int, fmt: str, *, device, dtype=torch.bfloat16,
+                       seed: int = 0, per_row: bool = False, bias: bool = False,
+                       dropped: tuple[int, int] | None = None) -> MoEProblem:
+    """Random activations, experts quantized to ``fmt`` with one global per expert (``per_row``: gate and up rows of w13 with
+    their own globals, as checkpoints that quantized them separately; NVFP4 only), distinct top-k
+    experts per token, weights in [0, 1); ``dropped`` = (token, slot) marks one slot dropped (id -1,
+    weight 0, as OEA leaves them). Built on the CPU from ``seed``, then moved to ``device``."""
+    from ..quantize import quantize_stacked
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
+    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
+    if per_row:
+        if w13.global_scale is None:
+            raise ValueError(f"per_row: {fmt} has no global scales")
+        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
+        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
+    w13 = w13.to(device)
+    w2 = quantize_stacked(torch.randn(E, H, I, generator=g), fmt).to(device)  # one global per expert
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device=device, dtype=torch.int32)
+    if dropped is not None:
+        ids[dropped] = -1
+    wts = torch.rand(T, k, generator=g).to(device) * (ids >= 0)
+    b13 = torch.randn(E, 2 * I, generator=g).to(device=device, dtype=dtype) if bias else None
+    b2 = torch.randn(E, H, generator=g).to(device=device, dtype=dtype) if bias else None
+    return MoEProblem(x, w13, w2, ids, wts, b13, b2)
+
+
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
            mma_config=None):
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
     biases, one dropped slot), and its reference."""
-    from ..quantize import quantize, quantize_stacked
-
-    g = torch.Generator().manual_seed(4321)
-    T, E, k, H, I = 7, 5, 2, 128, 64
-    x = torch.randn(T, H, generator=g).to(device=device, dtype=dtype)
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, generator=g), fmt)
-    if per_row and w13.global_scale is not None:  # gate and up rows with their own globals
-        gs = w13.global_scale * torch.linspace(0.5, 2.0, 2 * I).reshape(1, 2 * I)
-        w13 = FP4Tensor(w13.data, w13.scales, gs.contiguous(), w13.shape, w13.fmt)
-    w13 = w13.to(device)
-    w2 = quantize(torch.randn(E, H, I, generator=g), fmt).to(device)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(device=device, dtype=torch.int32)
-    ids[3, 1] = -1  # a dropped slot (OEA)
-    wts = torch.rand(T, k, generator=g).to(device) * (ids >= 0)
-    b13 = torch.randn(E, 2 * I, generator=g).to(device=device, dtype=dtype) if bias else None
-    b2 = torch.randn(E, H, generator=g).to(device=device, dtype=dtype) if bias else None
-    out = torch.empty((T, H), dtype=dtype, device=device)
-    if mma_config is not None:  # the MMA-layout path, with the caller's configuration
-        packed = (mma_packed_experts(w13), mma_packed_experts(w2))
-        out = _run_packed(x, w13, w2, packed, ids, wts, dispatch(ids, E, mma_config.block_m), mma_config, k,
-                          activation, interleaved, b13, b2, None, out)
+    k, E = 2, 5
+    p = random_moe_problem(7, E, k, 128, 64, fmt, device=device, dtype=dtype, seed=4321, per_row=per_row, bias=bias,
+                           dropped=(3, 1))
+    out = torch.empty((7, 128), dtype=dtype, device=device)
+    if mma_config is not None:  # the packed-layout path, with the caller's configuration
+        packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
+        out = _run_packed(p.x, p.w13, p.w2, packed, p.topk_ids, p.topk_weights,
+                          dispatch(p.topk_ids, E, mma_config.block_m), mma_config, k, activation, interleaved,
+                          p.w13_bias, p.w2_bias, None, out)
     else:
-        out = _run(x, w13, w2, ids, wts, dispatch(ids, E, configs[0].block_m), configs, k,
-                   _act_code(mode, w13, device), activation, interleaved, b13, b2, None, None, out)
-    return out, fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved, mode=mode,
-                                  w13_bias=b13, w2_bias=b2)
+        out = _run(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, dispatch(p.topk_ids, E, configs[0].block_m), configs,
+                   k, _act_code(mode, p.w13, device), activation, interleaved, p.w13_bias, p.w2_bias, None, None, out)
+    return out, fp4_moe_reference(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, activation=activation,
+                                  interleaved=interleaved, mode=mode, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
 
 
 # ----------------------------------------------------------------------------------------------
