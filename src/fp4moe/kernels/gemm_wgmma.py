@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .linear_mma import decode_a_operand
+from .moe import _gate_up_rows, _moe_epilogue
 
 
 
@@ -178,45 +179,20 @@ def fp4_gemm_wgmma_kernel(
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
-    # epilogue in the accumulator's layout
-    acc = acc * FOLD
-    if WG_MODE == 1:
-        acc = acc * gl.load(wg_ptr + e)
-    if SWIGLU > 0:
-        g, u = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), [1, 2, 0]))
-        epi: gl.constexpr = g.type.layout
-        cols = pid_n * (BLOCK_N // 2) + gl.arange(0, BLOCK_N // 2, layout=gl.SliceLayout(1, epi))
-        c_mask = cols < N // 2
-        gate_rows = cols
-        up_rows = cols + N // 2
-        if WG_MODE == 2:
-            g = g * gl.expand_dims(gl.load(wg_ptr + e * stride_ge + gate_rows, mask=c_mask, other=0.0), 1)
-            u = u * gl.expand_dims(gl.load(wg_ptr + e * stride_ge + up_rows, mask=c_mask, other=0.0), 1)
-        if HAS_BIAS:
-            g = g + gl.expand_dims(gl.load(bias_ptr + e * stride_be + gate_rows, mask=c_mask, other=0.0), 1).to(gl.float32)
-            u = u + gl.expand_dims(gl.load(bias_ptr + e * stride_be + up_rows, mask=c_mask, other=0.0), 1).to(gl.float32)
-        if SWIGLU == 1:
-            res = g / (1.0 + gl.exp(-g)) * u
-        else:
-            g = gl.minimum(g, LIMIT)
-            u = gl.minimum(gl.maximum(u, -LIMIT), LIMIT)
-            res = g / (1.0 + gl.exp(-ALPHA * g)) * (u + 1.0)
+    # epilogue in the accumulator's layout: the same helper as the Triton MoE kernels (globals,
+    # bias, activation, routing weight, store or scatter); the plain linear is GEMM 2 without
+    # routing weight or scatter, its one global read as "expert 0"
+    if SWIGLU > 0:  # the two register repeats: gate rows, then the matching up rows
+        acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), [1, 2, 0]))
+        N_OUT = N // 2
     else:
-        epi: gl.constexpr = mma
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))
-        c_mask = cols < N
-        res = acc
-        if WG_MODE == 2:
-            res = res * gl.expand_dims(gl.load(wg_ptr + e * stride_ge + cols, mask=c_mask, other=0.0), 1)
-        if HAS_BIAS:
-            res = res + gl.expand_dims(gl.load(bias_ptr + e * stride_be + cols, mask=c_mask, other=0.0), 1).to(gl.float32)
+        acc_g = acc
+        acc_u = acc
+        N_OUT = N
+    epi: gl.constexpr = acc_g.type.layout
+    cols = pid_n * acc_g.shape[0] + gl.arange(0, acc_g.shape[0], layout=gl.SliceLayout(1, epi))
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
-    r_mask = rows < row_end
-    if HAS_RW:
-        res = res * gl.expand_dims(gl.load(row_w_ptr + rows, mask=r_mask, other=0.0), 0)
-    if SCATTER:
-        out_rows = gl.load(row_out_ptr + rows, mask=r_mask, other=0)
-    else:
-        out_rows = rows
-    out = out_ptr + gl.expand_dims(out_rows.to(gl.int64) * stride_om, 0) + gl.expand_dims(cols, 1)
-    gl.store(out, res.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(c_mask, 1) & gl.expand_dims(r_mask, 0))
+    gate_rows, up_rows = _gate_up_rows(cols, N_OUT, SWIGLU, False)
+    _moe_epilogue(acc_g, acc_u, FOLD, e, rows, rows < row_end, cols, cols < N_OUT, gate_rows, up_rows, wg_ptr,
+                  bias_ptr, row_w_ptr, row_out_ptr, out_ptr, stride_ge, stride_be, stride_om,
+                  SWIGLU, WG_MODE, HAS_BIAS, HAS_RW, SCATTER)
