@@ -3,21 +3,28 @@
 At prefill the tensor cores are the bound, and on SM90 only ``wgmma`` reaches them at full rate.
 ``wgmma`` takes its A operand from registers, with the same per-warp fragment layout as
 ``mma.sync.m16n8k16`` — the layout ``fp4moe.ops.mma_layout`` stores the weights in. So each
-thread loads its weight words with 16-byte loads and decodes them (``linear_mma.decode_a_operand``:
-~2 instructions per value, the layout conversion asserted free) straight into the operand, while
-the activations stream through shared memory in a multi-stage ``cp.async`` ring and feed the B
-side. Decoding costs about an eighth of the warp issue slots the MMAs leave free at 128 tokens
-per tile, and each wgmma runs while the next chunk is decoded (one group kept in flight; the
-previous chunk's operand registers stay live until their MMA completes).
+thread copies its own weight words (16-byte ``cp.async`` into a shared ring it alone reads back)
+and decodes them (``linear_mma.decode_a_operand``: ~2 instructions per value, the layout
+conversion asserted free) straight into the operand, while the activations arrive by TMA (one
+mbarrier per ring stage) in the 128-byte swizzle wgmma reads as its B operand.
 
 Activations in MMA K order. The weights' K is permuted inside every 64-chunk (stored k = 16t +
 4kl + 2i2 + i0 at MMA position 16kl + 8i2 + 2t + i0, see ``mma_layout``), so the B operand must
-be too. The ring is filled with 4-byte ``cp.async`` of bf16 *pairs* (i0 stays adjacent), each
-lane reading one pair of a row's 64-K chunk at its permuted place: one warp instruction reads
-128 contiguous bytes, and the permutation costs nothing but the address arithmetic.
+be too: ``mma_order_rows_kernel`` writes x in that order in one pass (gathering the rows of MoE
+GEMM 1 on the way), and GEMM 1 writes h in GEMM 2's order directly (``OUT_MMA_ORDER``). The
+TMA copies then move tiles as they are; the earlier version permuted pairs with 4-byte
+``cp.async`` and its address arithmetic cost a quarter of the kernel's time (H200, measured).
+
+Pipelining and a Triton 3.6 hazard. One wgmma group stays in flight while the next chunk is
+decoded, which needs the in-flight group's A registers left alone: Triton 3.6 does not ensure it
+(triton-lang/triton#9433) and ptxas reused them for the next chunk's weight words (wrong rows).
+The K loop is therefore unrolled by two (each half's operand in its own registers) and each
+operand passes through a ``mov`` right before its wgmma, the form in which ptxas tracks the
+registers; ``fp4moe.plan.sass.wgmma_register_hazards`` checks the SASS of every tested
+configuration for writes to in-flight operands.
 
 One program: 32 WARPS weight rows (WARPS = 4 or 8 warps x 16 rows, twice: one or two
-warpgroups) x BLOCK_M rows of activations. Epilogues (constexpr):
+warpgroups) x BLOCK_M rows of activations. Epilogue (``kernels.moe._moe_epilogue``):
   plain linear: ``y[m, n] = acc * FOLD * global + bias`` (no MoE arguments);
   GROUPED (MoE, program axis over an ``ops.dispatch`` plan's tiles of one expert each):
     SWIGLU > 0 (GEMM 1): the rows are 16 WARPS gate rows then the matching up rows, so every
@@ -27,10 +34,13 @@ warpgroups) x BLOCK_M rows of activations. Epilogues (constexpr):
   Global scales per expert (WG_MODE 1) or per row (WG_MODE 2) and biases as ``kernels.moe``.
 """
 
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from .linear_mma import decode_a_operand
 from .moe import _gate_up_rows, _moe_epilogue
@@ -48,26 +58,52 @@ def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, SWIGLU: gl.constexpr)
 
 
 @gluon.jit
+def _k_step(c, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem, ready, row_start,
+            S_STEP: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
+            a_layout: gl.constexpr, w_layout: gl.constexpr):
+    """One 64-K chunk c: refill the buffers chunk c-2 used (every warpgroup is past chunk c-1's
+    wait, so c-2's wgmma is done everywhere) with chunk c + STAGES - 2, decode c's weights into the
+    A operand and issue its wgmma, keeping one in flight."""
+    gl.thread_barrier()
+    cn = c + STAGES - 2
+    slot_n = cn % STAGES
+    mbarrier.expect(ready.index(slot_n), x_desc.block_type.nbytes, pred=cn < kc_end)
+    tma.async_copy_global_to_shared(x_desc, [row_start, cn * 64], ready.index(slot_n), x_smem.index(slot_n),
+                                    pred=cn < kc_end)
+    async_copy.async_copy_global_to_shared(w_smem.index(slot_n), w_ptrs + gl.minimum(cn, KC - 1) * 128)
+    async_copy.commit_group()
+    async_copy.wait_group(STAGES - 2)  # this thread's weight words of chunk c have landed
+    w = w_smem.index(c % STAGES).load(w_layout)
+    wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
+    mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
+    wd = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [wd], dtype=gl.bfloat16, is_pure=False, pack=2)
+    acc = warpgroup_mma(wd, x_smem.index(c % STAGES).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=[acc])
+    s_next2 = gl.load(s_ptrs + gl.minimum(c + 2, KC - 1) * S_STEP)
+    return acc, s_next, s_next2
+
+
+@gluon.jit
 def fp4_gemm_wgmma_kernel(
     wq_ptr,  # int32 words [E * N/16, K/64, 32, 4] (mma_layout), E = 1 unless GROUPED
     sc_ptr,  # int16 scale pairs [E * N/16, K/64, 32] (NVFP4) or [E * N/16, K/64, 8, 2] (MXFP4)
-    x_ptr,  # int32 view of bf16 activations [rows, K_X / 2] (stride_xm int32 per row)
+    x_desc,  # TMA descriptor of the bf16 activations in MMA K order [rows, K], block [BLOCK_M, 64] (``mma_order_rows``)
     wg_ptr,  # plain: [1] fp32 global (WG_MODE 1); GROUPED: [E] (1) or [E, N] (2, stride_ge); else unused
     bias_ptr,  # plain: [N]; GROUPED: [E, N] (stride_be); HAS_BIAS, else unused
     out_ptr,  # plain: y [M, N]; GEMM 1: h [R, N/2]; GEMM 2: pair rows [T*k, N] (stride_om)
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tiles
-    row_x_ptr,  # GATHER: [R] int32 activation row of each sorted row
     row_out_ptr,  # SCATTER: [R] int32 output row of each sorted row
     row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row
-    M, N, K, K_X,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
-    stride_xm, stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
+    M, N, K,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
+    stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
     BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64 or 128
     WARPS: gl.constexpr,  # 4 (one warpgroup: 128 weight rows per program) or 8 (two: 256)
-    STAGES: gl.constexpr,  # activation ring depth (>= 3: chunk c + STAGES - 2 loads while c computes)
+    STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 1 load while c computes)
     MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     SWIGLU: gl.constexpr,  # 0 none, 1 silu(g) * u, 2 gpt-oss clamped variant (ALPHA, LIMIT)
     ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-    GROUPED: gl.constexpr, GATHER: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
+    GROUPED: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
+    OUT_MMA_ORDER: gl.constexpr,  # GEMM 1: h written in MMA K order (GEMM 2's activations, read by TMA as they are)
     FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
     GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
 ):
@@ -79,11 +115,6 @@ def fp4_gemm_wgmma_kernel(
     w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
                                               warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
-    # activation copies: one warp instruction = one row's 64-K chunk (32 pairs)
-    c_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
-                                              warps_per_cta=[WARPS, 1], order=[1, 0])
-    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    p_smem_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     w_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
 
     pid = gl.program_id(0)
@@ -133,51 +164,37 @@ def fp4_gemm_wgmma_kernel(
     s_ptrs = sc_ptr + gl.expand_dims(gl.expand_dims(s_rb.to(gl.int64) * KC * S_STEP, 1), 2) \
         + gl.expand_dims(gl.expand_dims(s_in, 0), 1)
 
-    # activation rows (clamped to the tile's last row: extra rows are computed, never stored) and
-    # the permuted pair offsets of one 64-K chunk: MMA pair q = 8kl + 4i2 + t holds stored pair 8t + 2kl + i2
-    rows_c = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, c_layout)),
-                        gl.maximum(row_end - 1, 0))
-    if GATHER:
-        rows_c = gl.load(row_x_ptr + rows_c)
-    q = gl.arange(0, 32, layout=gl.SliceLayout(0, c_layout))
-    pair = 8 * (q % 4) + 2 * (q // 8) + (q // 4) % 2
-    # int32 offsets (the launcher checks the activations have < 2**31 pairs): half the registers of pointers
-    x_offs = gl.expand_dims(rows_c * stride_xm, 1) + gl.expand_dims(pair, 0)
-    pair_2d = gl.expand_dims(pair, 0) + gl.expand_dims(rows_c * 0, 1)
-
-    # the ring: activations (swizzled for wgmma) and each thread's own weight words (read back by
-    # the thread that copied them); scales are small and come through registers, two chunks ahead
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_smem_layout)
+    # the ring: activation tiles by TMA (one mbarrier per stage; the 128-byte swizzle wgmma reads) and
+    # each thread's own weight words by cp.async (read back by the thread that copied them, so they
+    # need no barrier); scales are small and come through registers, two chunks ahead
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 1, 32, 4], w_smem_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
     for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
-        dst = x_smem.index(i)._reinterpret(gl.int32, [BLOCK_M, 32], p_smem_layout)
-        async_copy.async_copy_global_to_shared(dst, x_ptr + (x_offs + i * 32), mask=(i < kc_end) & (i * 64 + 2 * pair_2d < K_X))
+        mbarrier.expect(ready.index(i), x_desc.block_type.nbytes, pred=i < kc_end)
+        tma.async_copy_global_to_shared(x_desc, [row_start, i * 64], ready.index(i), x_smem.index(i), pred=i < kc_end)
         async_copy.async_copy_global_to_shared(w_smem.index(i), w_ptrs + gl.minimum(i, KC - 1) * 128)
         async_copy.commit_group()
 
     s = gl.load(s_ptrs)
     s_next = gl.load(s_ptrs + gl.minimum(1, KC - 1) * S_STEP)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    for c in range(0, kc_end):
-        async_copy.wait_group(STAGES - 3)  # this thread's copies of chunk c have landed
-        gl.thread_barrier()  # everyone's copies; and every warpgroup is past chunk c-2's wgmma
-        fence_async_shared()  # (ptxas: a full memory barrier: no global load may be pending here)
-        w = w_smem.index(c % STAGES).load(w_layout)
-        wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
-        acc = warpgroup_mma(wd, x_smem.index(c % STAGES).permute((1, 0)), acc, is_async=True)
-        s_next2 = gl.load(s_ptrs + gl.minimum(c + 2, KC - 1) * S_STEP)
-        acc = warpgroup_mma_wait(1, deps=[acc])  # chunk c-1 done
-        # chunk c + STAGES - 2 into the buffers chunk c - 2 used
-        cn = c + STAGES - 2
-        dst = x_smem.index(cn % STAGES)._reinterpret(gl.int32, [BLOCK_M, 32], p_smem_layout)
-        async_copy.async_copy_global_to_shared(dst, x_ptr + (x_offs + cn * 32),
-                                               mask=(cn < kc_end) & (cn * 64 + 2 * pair_2d < K_X))
-        async_copy.async_copy_global_to_shared(w_smem.index(cn % STAGES), w_ptrs + gl.minimum(cn, KC - 1) * 128)
-        async_copy.commit_group()
-        s = s_next
-        s_next = s_next2
+    for j in range(0, kc_end // 2):
+        acc, s, s_next = _k_step(2 * j, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem, ready,
+                                 row_start, S_STEP, STAGES, NB, DECODE, SCALE, a_layout, w_layout)
+        acc, s, s_next = _k_step(2 * j + 1, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem,
+                                 ready, row_start, S_STEP, STAGES, NB, DECODE, SCALE, a_layout, w_layout)
+    if kc_end % 2 == 1:
+        acc, s, s_next = _k_step(kc_end - 1, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem,
+                                 ready, row_start, S_STEP, STAGES, NB, DECODE, SCALE, a_layout, w_layout)
     acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
 
     # epilogue in the accumulator's layout: the same helper as the Triton MoE kernels (globals,
     # bias, activation, routing weight, store or scatter); the plain linear is GEMM 2 without
@@ -193,6 +210,36 @@ def fp4_gemm_wgmma_kernel(
     cols = pid_n * acc_g.shape[0] + gl.arange(0, acc_g.shape[0], layout=gl.SliceLayout(1, epi))
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, SWIGLU, False)
-    _moe_epilogue(acc_g, acc_u, FOLD, e, rows, rows < row_end, cols, cols < N_OUT, gate_rows, up_rows, wg_ptr,
+    if OUT_MMA_ORDER:  # column j = 64c + 16t + 4kl + 2i2 + i0 goes to MMA position 64c + 16kl + 8i2 + 2t + i0
+        r = cols % 64
+        out_cols = cols - r + 16 * ((r // 4) % 4) + 8 * ((r // 2) % 2) + 2 * (r // 16) + r % 2
+    else:
+        out_cols = cols
+    _moe_epilogue(acc_g, acc_u, FOLD, e, rows, rows < row_end, out_cols, cols < N_OUT, gate_rows, up_rows, wg_ptr,
                   bias_ptr, row_w_ptr, row_out_ptr, out_ptr, stride_ge, stride_be, stride_om,
                   SWIGLU, WG_MODE, HAS_BIAS, HAS_RW, SCATTER)
+
+
+@triton.jit
+def mma_order_rows_kernel(
+    x_ptr,  # int32 view of bf16 activations [rows, K_X / 2] (stride_x int32 per row)
+    row_ptr,  # GATHER: [R] int32 source row of each output row
+    out_ptr,  # int32 view of the bf16 output [R, K / 2] (stride_o), K a multiple of 64
+    R, K_X, stride_x, stride_o,
+    GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,  # BLOCK_Q pairs, a multiple of 32
+):
+    """Activations into the weights' MMA K order for the wgmma kernel's TMA loads: output pair q of a
+    64-K chunk (MMA pair 8kl + 4i2 + t) is stored pair 8t + 2kl + i2 of that chunk (``mma_layout``);
+    rows optionally gathered (MoE GEMM 1: one row per token-expert pair; a negative source row, a
+    dropped pair, reads as zeros); K past K_X is zero."""
+    pid_r = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    src = tl.load(row_ptr + r, mask=r_mask, other=0) if GATHER else r
+    q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    qq = q % 32
+    pair = q - qq + 8 * (qq % 4) + 2 * (qq // 8) + (qq // 4) % 2
+    v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + pair[None, :],
+                mask=(r_mask & (src >= 0))[:, None] & (2 * pair < K_X)[None, :], other=0)
+    tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + q[None, :], v, mask=r_mask[:, None])

@@ -313,21 +313,56 @@ WGMMA_MIN_M = 128
 
 
 def choose_wgmma_config(M: int, N: int, K: int) -> WgmmaConfig:
-    """From the H200 sweep (scripts/try_wgmma.py, GLM-5 shapes, M = 4096): two warpgroups (256
-    weight rows per program) for wide weights (N >= 8192), one (128 rows, two programs per SM)
-    below; 128 activation rows, a 4-deep ring (deeper rings measured slower)."""
-    return WgmmaConfig(block_m=128, stages=4, group_m=8, warps=8 if N >= 8192 else 4)
+    """From the H200 sweep (scripts/try_wgmma.py, GLM-5 shapes, M = 4096, TMA version): one
+    warpgroup (128 weight rows per program, two programs per SM) on every shape (two warpgroups
+    were 4-15% slower), 128 activation rows, a 4-deep ring (6 was 30% slower)."""
+    return WgmmaConfig(block_m=128, stages=4, group_m=8, warps=4)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
-    """bf16 activations [rows, K] as int32 pairs (the kernel copies pairs into MMA K order)."""
+    """bf16 activations [rows, K] as int32 pairs (what ``mma_order_rows`` moves)."""
     if x2.dtype != torch.bfloat16:
         raise TypeError(f"x: the wgmma kernel takes bfloat16 activations, got {x2.dtype}")
     if x2.stride(-1) != 1 or x2.stride(0) % 2 or x2.shape[1] % 2 or x2.data_ptr() % 4:
         x2 = x2.contiguous()
-    if x2.shape[0] * x2.stride(0) >= 2**32:
-        raise ValueError(f"x: {tuple(x2.shape)} has 2**31 bf16 pairs or more (the kernel's offsets are int32)")
     return x2.view(torch.int32)
+
+
+def mma_order_rows(x2: torch.Tensor, k_stored: int, rows: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Activations [M, K_X] bf16 -> [R, k_stored] in the packed weights' MMA K order (each 64-K
+    chunk's bf16 pairs permuted as ``pack_mma`` permutes the weights' K; K past K_X zero): the
+    layout the wgmma kernel's TMA copies into shared memory as it is. ``rows`` [R] int32 gathers
+    (MoE GEMM 1: the dispatch plan's sorted_token, whose -1 rows, dropped pairs, come out zero);
+    otherwise R = M. One pass over the data."""
+    import triton
+
+    from ..kernels.gemm_wgmma import mma_order_rows_kernel
+
+    if k_stored % KCHUNK or k_stored < x2.shape[1]:
+        raise ValueError(f"k_stored: expected a multiple of {KCHUNK} >= K = {x2.shape[1]}, got {k_stored}")
+    xp = _x_pairs(x2)
+    R = x2.shape[0] if rows is None else rows.shape[0]
+    if out is None:
+        out = torch.empty((R, k_stored), dtype=torch.bfloat16, device=x2.device)
+    if R == 0:
+        return out
+    op = out.view(torch.int32)
+    block_r, block_q = 16, 128 if k_stored % 256 == 0 else 32
+    mma_order_rows_kernel[(triton.cdiv(R, block_r), k_stored // 2 // block_q)](
+        xp, rows if rows is not None else xp, op, R, x2.shape[1], xp.stride(0), op.stride(0),
+        GATHER=rows is not None, BLOCK_R=block_r, BLOCK_Q=block_q, num_warps=4)
+    return out
+
+
+def _x_desc(xm: torch.Tensor, block_m: int):
+    """TMA descriptor of activations in MMA K order [R, K]: [block_m, 64] tiles in the 128-byte
+    swizzle that wgmma reads (rows past R are zero-filled by the copy)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    return TensorDescriptor.from_tensor(xm, [block_m, KCHUNK], layout)
 
 
 def _wgmma_consts(p: MMAPackedFP4) -> dict:
@@ -345,17 +380,20 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
 
     M, N = x2.shape[0], p.shape[0]
-    xp = _x_pairs(x2)
-    chunks = p.words.shape[1]
+    k_stored = p.words.shape[1] * KCHUNK
+    if M == 0:
+        return out
+    x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
     fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, 32 * config.warps),)](
-        p.words, p.scales.view(torch.int16), xp, p.global_scale if p.global_scale is not None else unused,
-        bias if bias is not None else unused, out, unused, unused, unused, unused, unused, unused,
-        M, N, chunks * KCHUNK, x2.shape[1], xp.stride(0), out.stride(0), 0, 0, tiles_m,
+        p.words, p.scales.view(torch.int16), x_desc, p.global_scale if p.global_scale is not None else unused,
+        bias if bias is not None else unused, out, unused, unused, unused, unused, unused,
+        M, N, k_stored, out.stride(0), 0, 0, tiles_m,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
-        HAS_BIAS=bias is not None, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, GROUPED=False, GATHER=False, SCATTER=False,
-        HAS_RW=False, GROUP_M=config.group_m, WARPS=config.warps, num_warps=config.warps, **_wgmma_consts(p))
+        HAS_BIAS=bias is not None, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, GROUPED=False, SCATTER=False,
+        HAS_RW=False, OUT_MMA_ORDER=False, GROUP_M=config.group_m, WARPS=config.warps, num_warps=config.warps,
+        **_wgmma_consts(p))
     return out
 
 
@@ -366,14 +404,18 @@ def fuses_activation(n_per_expert: int) -> bool:
 
 
 def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, out: torch.Tensor,
-                         config: WgmmaConfig, *, gather: bool, swiglu: int = 0, alpha: float = 0.0,
-                         limit: float = 0.0, globals_: tuple[torch.Tensor | None, int] = (None, 0),
-                         bias: torch.Tensor | None = None, row_weight: torch.Tensor | None = None,
-                         scatter: bool = False) -> torch.Tensor:
+                         config: WgmmaConfig, *, gather: bool, x_mma_order: bool = False,
+                         out_mma_order: bool = False, swiglu: int = 0, alpha: float = 0.0, limit: float = 0.0,
+                         globals_: tuple[torch.Tensor | None, int] = (None, 0), bias: torch.Tensor | None = None,
+                         row_weight: torch.Tensor | None = None, scatter: bool = False) -> torch.Tensor:
     """One launch over an MoE dispatch plan (its block_m must be ``config.block_m``): GEMM 1
     (``swiglu`` > 0: gate rows then up rows per expert, n_per_expert = 2I; writes h [R, I]) or
     GEMM 2 (routing weight per sorted row, ``scatter`` to the pair rows), with the experts' globals
-    ``globals_`` = (tensor, mode) as ``ops.moe._weight_globals`` and bias [E, n_per_expert]."""
+    ``globals_`` = (tensor, mode) as ``ops.moe._weight_globals`` and bias [E, n_per_expert].
+    Activations: ``x_mma_order`` when x2 already is [R, K stored] in MMA K order (GEMM 2 reading the
+    h that GEMM 1 wrote with ``out_mma_order``); otherwise one ``mma_order_rows`` pass first
+    (``gather``: the plan's token rows). ``out_mma_order`` (GEMM 1) needs ``out`` [R, K stored of
+    GEMM 2's weights], zero in its columns past I when I is not a multiple of 64."""
     import triton
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
@@ -384,18 +426,26 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         raise ValueError("p: grouped weights are packed without global scales")
     if swiglu and not fuses_activation(n_per_expert):
         raise ValueError(f"n_per_expert: the fused activation needs 2I a multiple of 32, got {n_per_expert}")
-    xp = _x_pairs(x2)
+    k_stored = p.words.shape[1] * KCHUNK
+    R = plan.sorted_pair.shape[0]
+    if x_mma_order:
+        if tuple(x2.shape) != (R, k_stored) or x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
+            raise ValueError(f"x2: expected bf16 [{R}, {k_stored}] in MMA K order, got {x2.dtype} {tuple(x2.shape)}")
+        xm = x2
+    else:
+        xm = mma_order_rows(x2, k_stored, plan.sorted_token if gather else None)
+    if R == 0:
+        return out
     wg, wg_mode = globals_
     n_out = n_per_expert // 2 if swiglu else n_per_expert
     unused = plan.sorted_pair
     fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, 16 * config.warps * (1 if swiglu else 2)),)](
-        p.words, p.scales.view(torch.int16), xp, wg if wg is not None else unused,
+        p.words, p.scales.view(torch.int16), _x_desc(xm, config.block_m), wg if wg is not None else unused,
         bias if bias is not None else unused, out, plan.tile_expert, plan.tile_start, plan.tile_end,
-        plan.sorted_token if gather else unused, plan.sorted_pair if scatter else unused,
-        row_weight if row_weight is not None else unused,
-        plan.sorted_pair.shape[0], n_per_expert, p.words.shape[1] * KCHUNK, x2.shape[1], xp.stride(0), out.stride(0),
+        plan.sorted_pair if scatter else unused, row_weight if row_weight is not None else unused,
+        R, n_per_expert, k_stored, out.stride(0),
         wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0, plan.max_tiles,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None, SWIGLU=swiglu,
-        ALPHA=alpha, LIMIT=limit, GROUPED=True, GATHER=gather, SCATTER=scatter, HAS_RW=row_weight is not None,
-        GROUP_M=1, WARPS=config.warps, num_warps=config.warps, **_wgmma_consts(p))
+        ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
+        OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, num_warps=config.warps, **_wgmma_consts(p))
     return out

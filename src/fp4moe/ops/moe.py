@@ -341,14 +341,15 @@ def mma_moe_config(rows_per_expert: float):
 
 
 def wgmma_moe_config(rows_per_expert: float):
-    """Prefill on SM90 (H200, GLM-5 at 4096 tokens, scripts/try_wgmma.py): two warpgroups x 128-row
-    tiles; one warpgroup x 64-row tiles while experts average <= 48 rows (less padding in each
-    expert's last tile)."""
+    """Prefill on SM90 (H200, GLM-5 at 4096 tokens, scripts/try_wgmma.py, TMA version): one
+    warpgroup per program (two programs per SM) measured best; 128-row tiles equal 64-row ones at
+    128 rows per expert (7.52 vs 7.53 ms), 64-row tiles while experts average <= 48 rows (less
+    padding in each expert's last tile)."""
     from .mma_layout import WgmmaConfig
 
     if rows_per_expert <= 48:
         return WgmmaConfig(block_m=64, stages=4, warps=4)
-    return WgmmaConfig(block_m=128, stages=4, warps=8)
+    return WgmmaConfig(block_m=128, stages=4, warps=4)
 
 
 def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
@@ -400,19 +401,21 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
                out):
     """GEMM 1 with the activation fused (writes h) -> GEMM 2 with the routing weight, scattered to
     pair rows -> combine; ``cfg`` a ``WgmmaConfig``, the plan made for its block_m."""
-    from .mma_layout import launch_grouped_wgmma
+    from .mma_layout import KCHUNK, launch_grouped_wgmma
 
     T, H = x.shape
     I = w2.shape[2]
     p13, p2 = packed
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    # h in GEMM 2's MMA K order (its columns past I, if any, stay zero): GEMM 2's TMA reads it as it is
+    i_stored = p2.words.shape[1] * KCHUNK
+    h = (torch.empty if i_stored == I else torch.zeros)((T * k, i_stored), dtype=x.dtype, device=x.device)
     alpha, limit = GPT_OSS_ALPHA, GPT_OSS_LIMIT
-    launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, swiglu=_SWIGLU[activation], alpha=alpha,
-                         limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
+    launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=True, swiglu=_SWIGLU[activation],
+                         alpha=alpha, limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
-    launch_grouped_wgmma(h, p2, H, plan, y_pair, cfg, gather=False, globals_=_weight_globals(w2), bias=w2_bias,
-                         row_weight=row_w, scatter=True)
+    launch_grouped_wgmma(h, p2, H, plan, y_pair, cfg, gather=False, x_mma_order=True, globals_=_weight_globals(w2),
+                         bias=w2_bias, row_weight=row_w, scatter=True)
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
 
 
