@@ -24,8 +24,8 @@ def test_config_validation_and_choice():
         WgmmaConfig(stages=2)
     with pytest.raises(ValueError, match="warps"):
         WgmmaConfig(warps=2)
-    assert choose_wgmma_config(4096, 12288, 6144).warps == 4
-    assert choose_wgmma_config(4096, 4096, 6144).warps == 4
+    assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=128, stages=4, group_m=8, warps=4)
+    assert choose_wgmma_config(WGMMA_MIN_M, 4096, 6144).block_m == 64  # fewer padded rows below 128
     assert WGMMA_MIN_M > 16  # decode sizes stay on the mma.sync kernel
 
 

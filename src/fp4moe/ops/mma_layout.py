@@ -308,15 +308,20 @@ class WgmmaConfig:
         return f"wgmma_n{32 * self.warps}_m{self.block_m}_s{self.stages}_g{self.group_m}"
 
 
-#: the smallest batch the plain linear runs on the wgmma kernel (SM90); below it the Triton kernel
-WGMMA_MIN_M = 128
+#: the smallest batch the plain linear runs on the wgmma kernel (SM90); below it the Triton kernel.
+#: H200 (scripts in notes/linear-perf.md, session 4): at M = 96 the wgmma kernel with 64-row tiles
+#: takes 66.6 / 102.6 / 39.9 / 16.9 us on the four GLM-5 shapes against the Triton kernel's 99.4 /
+#: 106.0 / 38.4 / 19.5; at M = 64 it loses on three of them (one program per 128 weight rows, no
+#: split-K: too few programs for 132 SMs on the narrower weights)
+WGMMA_MIN_M = 96
 
 
 def choose_wgmma_config(M: int, N: int, K: int) -> WgmmaConfig:
     """From the H200 sweep (scripts/try_wgmma.py, GLM-5 shapes, M = 4096, TMA version): one
     warpgroup (128 weight rows per program, two programs per SM) on every shape (two warpgroups
-    were 4-15% slower), 128 activation rows, a 4-deep ring (6 was 30% slower)."""
-    return WgmmaConfig(block_m=128, stages=4, group_m=8, warps=4)
+    were 4-15% slower), 128 activation rows (64 below M = 128: at M = 96 they were 10% faster on
+    12288x6144 and 15% on 4096x6144), a 4-deep ring (6 was 30% slower at M = 4096)."""
+    return WgmmaConfig(block_m=64 if M < 128 else 128, stages=4, group_m=8, warps=4)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
