@@ -56,8 +56,8 @@ def _mma_order_reference(x: torch.Tensor, k_stored: int) -> torch.Tensor:
 @pytest.mark.parametrize("M,K,k_stored,gather", [(5, 64, 64, False), (17, 96, 128, False), (33, 512, 512, True),
                                                   (3, 16, 64, True), (20, 1024, 1024, False)])
 def test_mma_order_rows_matches_the_weight_permutation(M, K, k_stored, gather):
-    """The activation pass puts x in the same K order as the packed weights: their dot products
-    per row pair are unchanged (checked through the pack: decode the packed weight in MMA order)."""
+    """The activation pass (interpreter) equals the reference permutation, which
+    ``test_mma_order_is_the_pack_order`` ties to the packed weights; gathered rows of -1 are zero."""
     from fp4moe.ops.mma_layout import mma_order_rows
 
     torch.manual_seed(M)
@@ -68,6 +68,37 @@ def test_mma_order_rows_matches_the_weight_permutation(M, K, k_stored, gather):
     assert torch.equal(out, _mma_order_reference(src, k_stored))
     with pytest.raises(ValueError, match="multiple of 64"):
         mma_order_rows(x, k_stored + 32)
+
+
+def test_wgmma_launchers_check_their_buffers():
+    """Bad buffers are refused before anything launches (CPU: the checks run first)."""
+    from fp4moe.ops.dispatch import dispatch
+    from fp4moe.ops.mma_layout import _x_desc, launch_grouped_wgmma, mma_order_rows
+    from fp4moe.ops.moe import mma_packed_experts, random_moe_problem
+
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="rows: expected a 1-D int32/int64"):
+        mma_order_rows(x, 128, torch.zeros(4, dtype=torch.float32))
+    with pytest.raises(ValueError, match="out: expected a contiguous bf16"):
+        mma_order_rows(x, 128, out=torch.empty(8, 64, dtype=torch.bfloat16))
+    odd = torch.randn(4, 128, dtype=torch.bfloat16)[:, 1:65]  # misaligned base, K 64
+    with pytest.raises(ValueError, match="activations for TMA"):
+        _x_desc(odd, 64)
+    assert torch.equal(mma_order_rows(x, 128, torch.arange(8, dtype=torch.int64).flip(0)[::2]),
+                       _mma_order_reference(x.flip(0)[::2], 128))  # strided rows are made contiguous
+
+    prob = random_moe_problem(40, 4, 2, 128, 96, "nvfp4", device="cpu", seed=0)
+    plan = dispatch(prob.topk_ids, 4, 64)
+    p13 = mma_packed_experts(prob.w13)
+    cfg = WgmmaConfig(block_m=64)
+    R = plan.sorted_pair.shape[0]
+    h_short = torch.zeros(R, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="MMA K order writes"):
+        launch_grouped_wgmma(prob.x, p13, 192, plan, h_short, cfg, gather=True, out_mma_order=True, swiglu=1)
+    with pytest.raises(ValueError, match="only GEMM 1"):
+        launch_grouped_wgmma(prob.x, p13, 192, plan, torch.zeros(R, 128), cfg, gather=True, out_mma_order=True)
+    with pytest.raises(ValueError, match="not gathered again"):
+        launch_grouped_wgmma(prob.x, p13, 192, plan, h_short, cfg, gather=True, x_mma_order=True, swiglu=1)
 
 
 def test_mma_order_is_the_pack_order():
@@ -93,34 +124,27 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
-from fp4moe.kernels import gemm_wgmma as G, linear_mma as L
+from fp4moe.kernels import gemm_wgmma as G
+from fp4moe.ops.mma_layout import WgmmaConfig, wgmma_compile_request
 from fp4moe.plan.crosscompile import mma_instructions
-from fp4moe.plan.sass import sass_of_ptx, wgmma_register_hazards
+from fp4moe.plan.sass import count_hgmma, sass_of_ptx, wgmma_register_hazards
 out = []
-for mode, warps, bm, stages, mx in json.loads(sys.argv[1]):
-    fn = G.fp4_gemm_wgmma_kernel
-    x_desc = ("tensordesc<bf16[%d, 64],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, "
-              "transposed=False, fp4_padded=False, cga_layout=[])>" % bm)
-    sig = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_desc": x_desc, "wg_ptr": "*fp32", "bias_ptr": "*bf16",
-           "out_ptr": "*fp32" if mode == "gemm2" else "*bf16", "tile_expert_ptr": "*i32",
-           "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32",
-           "row_w_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-           "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32", "n_tiles_m": "i32"}
-    cx = dict(BLOCK_M=bm, WARPS=warps, STAGES=stages, MXFP4=mx, WG_MODE=0 if mx else (2 if mode == "gemm1" else 1),
-              HAS_BIAS=True, SWIGLU=1 if mode == "gemm1" else 0, ALPHA=1.702, LIMIT=7.0, GROUPED=mode != "plain",
-              OUT_MMA_ORDER=mode == "gemm1", SCATTER=mode == "gemm2", HAS_RW=mode == "gemm2", FOLD=256.0,
-              DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), GROUP_M=8)
-    sig.update({k: "constexpr" for k in cx})
-    c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
+fn = G.fp4_gemm_wgmma_kernel
+for gemm, warps, bm, stages, fmt, bias in json.loads(sys.argv[1]):
+    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps), fmt, 90, gemm=gemm,
+                                has_bias=bias)
+    sig = dict(req.signature, **{k: "constexpr" for k in req.constexprs})
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}
+    c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=req.constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
-    out.append({"mode": mode, "shared": c.metadata.shared, "mma": mma_instructions(ptx),
-                "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global"),
+    sass = sass_of_ptx(ptx, 90)
+    out.append({"case": [gemm, warps, bm, stages, fmt, bias], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+                "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
-                "hazards": wgmma_register_hazards(sass_of_ptx(ptx, 90))})
+                "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
 print(json.dumps(out))
 """
-
 
 _SASS_LOOP = """
         /*0100*/                   LDS.128 R152, [R13+UR5+0x10000] ;
@@ -129,37 +153,60 @@ _SASS_LOOP = """
         /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x%d ;
         /*0140*/                   IMAD R12, R13, 0x2, RZ ;
         /*0150*/               @P0 BRA 0x100 ;
+        /*0160*/                   %s ;
+        /*0170*/                   EXIT ;
 """
 
 
 def test_wgmma_register_hazard_check():
-    """The SASS check flags the load into R152 while the previous iteration's wgmma (A = R152) is
-    still in flight (wait leaves one group), and nothing once the wait retires every group."""
-    from fp4moe.plan.sass import wgmma_register_hazards
+    """The SASS check follows the control flow: it flags the load into R152 while the previous
+    iteration's wgmma (A = R152) is still in flight (the wait leaves one group), a write to an
+    in-flight A register after the loop, and a read of an in-flight accumulator; nothing once the
+    wait retires every group."""
+    from fp4moe.plan.sass import count_hgmma, wgmma_register_hazards
 
-    assert wgmma_register_hazards(_SASS_LOOP % 1) == [("0x100", "LDS.128", "R152")]
-    assert wgmma_register_hazards(_SASS_LOOP % 0) == []
+    assert wgmma_register_hazards(_SASS_LOOP % (1, "NOP")) == [("0x100", "LDS.128", "R152")]
+    after = wgmma_register_hazards(_SASS_LOOP % (1, "IMAD R157, R13, 0x2, RZ"))
+    assert ("0x160", "IMAD", "R157") in after
+    assert ("0x160", "FADD", "R90") in wgmma_register_hazards(_SASS_LOOP % (1, "FADD R12, R90, R13"))
+    assert wgmma_register_hazards(_SASS_LOOP % (0, "FADD R157, R90, R13")) == []
+    assert count_hgmma(_SASS_LOOP % (0, "NOP")) == 2
+
+
+# the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and
+# the rest of the shape space (two warpgroups, 3- and 6-deep rings, MXFP4), compiled as launched
+WGMMA_CASES = [("linear", 4, 128, 4, "nvfp4", True), ("linear", 4, 64, 4, "nvfp4", False),
+               ("linear", 4, 64, 3, "mxfp4", True), ("linear", 8, 128, 6, "nvfp4", True),
+               ("linear", 8, 128, 4, "mxfp4", False), ("gemm1", 4, 64, 4, "nvfp4", False),
+               ("gemm1", 4, 128, 4, "mxfp4", True), ("gemm1", 8, 128, 4, "nvfp4", True),
+               ("gemm2", 4, 128, 4, "nvfp4", False), ("gemm2", 4, 64, 4, "mxfp4", True),
+               ("gemm2", 4, 128, 3, "nvfp4", True)]
 
 
 def test_cross_compiles_for_sm90():
-    """Plain linear and both MoE GEMMs compile for SM90 with wgmma (A from the decoded registers)
-    inside the per-block shared-memory limit."""
+    """Plain linear and both MoE GEMMs compile for SM90 with wgmma (A from the decoded registers),
+    TMA activations and mbarriers, inside the per-block shared-memory limit and exactly as the
+    model (``wgmma_smem_terms``) says, and their SASS leaves in-flight wgmma registers alone."""
     from fp4moe.arch import get_arch
+    from fp4moe.ops.mma_layout import wgmma_smem_terms
 
-    cases = [("plain", 8, 128, 4, False), ("plain", 4, 128, 4, True), ("gemm1", 4, 64, 4, False),
-             ("gemm1", 8, 128, 4, True), ("gemm2", 8, 128, 4, False), ("gemm2", 4, 128, 3, False)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.join(os.path.dirname(__file__), "..", "src")
     env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True, text=True,
-                         timeout=900)
+    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(WGMMA_CASES)], env=env, capture_output=True,
+                         text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
     limit = get_arch("sm90").smem_per_block_optin
-    for r in json.loads(res.stdout.strip().splitlines()[-1]):
-        assert 0 < r["shared"] <= limit, r
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(results) == len(WGMMA_CASES)
+    for r in results:
+        gemm, warps, bm, stages, fmt, bias = r["case"]
+        model = sum(each * count for _, each, count in wgmma_smem_terms(WgmmaConfig(block_m=bm, stages=stages,
+                                                                                     warps=warps)))
+        assert r["shared"] == model and r["shared"] <= limit, r
         assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
         assert r["decode"] > 0 and r["cp_async"] > 0 and r["tma"] > 0 and r["mbarrier_wait"] > 0, r
-        assert r["hazards"] == [], r  # no write to the A registers of a wgmma still in flight
+        assert r["hgmma"] > 0 and r["hazards"] == [], r  # checked something, found nothing
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,7 +224,8 @@ def _hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 @pytest.mark.parametrize("M,N,K", [(1, 256, 128), (100, 300, 224), (256, 4096, 6144), (1000, 6144, 2048),
-                                   (77, 512, 64), (130, 272, 1024)])
+                                   (77, 512, 64), (130, 272, 1024),
+                                   (300, 256, 320), (129, 128, 2880)])  # odd chunk counts: the loop's tail step
 def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
     from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
@@ -226,7 +274,9 @@ def test_gpu_fp4_linear_routes_prefill_to_wgmma_and_graphs_work():
 @pytest.mark.parametrize("activation,per_row,bias", [("silu", False, False), ("silu", True, True),
                                                      ("gpt_oss", False, True)])
 @pytest.mark.parametrize("T,E,k,H,I", [(512, 8, 2, 256, 128), (700, 16, 4, 512, 256), (257, 5, 1, 128, 64),
-                                       (300, 6, 3, 320, 96)])
+                                       (300, 6, 3, 320, 96),
+                                       (400, 8, 2, 192, 192),  # odd chunk counts in both GEMMs
+                                       (300, 6, 2, 128, 32)])  # I below half a program's rows
 def test_gpu_moe_prefill_on_wgmma(fmt, activation, per_row, bias, T, E, k, H, I):
     """fp4_moe_experts routes prefill-sized W4A16 layers (gate-then-up w13) to the wgmma kernel:
     same numbers as the reference, dropped slots skipped, deterministic."""

@@ -69,7 +69,14 @@ def _default_problems(arch):
         for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
             for mode in ("w4a16", "w4a4"):
                 items.append(("fp4_moe_gemm", MoEGemmProblem(T, 8, 256, N, K, gemm=gemm, mode=mode)))
-    assert {k for k, _ in items} == set(KERNELS), "a registered kernel has no default-choice case"
+    wgmma = {"fp4_linear_wgmma", "fp4_moe_wgmma"}  # the prefill kernel on packed weights: SM90 only
+    if arch.bf16_mma == "wgmma":
+        for shape in GLM5_SHAPES:
+            items.append(("fp4_linear_wgmma", LinearProblem(4096, shape.N, shape.K)))
+        for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
+            items.append(("fp4_moe_wgmma", MoEGemmProblem(4096, 8, 256, N, K, gemm=gemm)))
+    expected = set(KERNELS) - (set() if arch.bf16_mma == "wgmma" else wgmma)
+    assert {k for k, _ in items} == expected, "a registered kernel has no default-choice case"
     return items
 
 
@@ -93,6 +100,7 @@ def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
             assert expectation.violation(r.mma) is None, f"{where}: {expectation.violation(r.mma)}"
         if cc == 120 and spec.name == "fp4_linear" and problem.mode == "w4a4":
             assert any(m.startswith(SM120_FP4_MMA) for m in r.mma), f"{where}: {r.mma}"
+        assert not r.wgmma_hazards, f"{where}: {r.wgmma_hazards}"
         model = spec.smem_model(cfg, problem, arch).total
         assert agrees(model, r.shared), f"{where}: model {model:,} B, compiled {r.shared:,} B"
 
@@ -327,7 +335,7 @@ def test_time_model_waves_split_and_bound():
 
 def test_registry_and_candidates():
     assert set(KERNELS) >= {"fp4_linear", "nvfp4_quantize"}
-    with pytest.raises(ValueError, match="no kernel named 'nope'; registered: fp4_linear, nvfp4_quantize"):
+    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_wgmma, nvfp4_quantize, fp4_moe_gemm, fp4_moe_wgmma"):
         get_kernel("nope")
     with pytest.raises(ValueError, match="already registered"):
         register(get_kernel("fp4_linear"))
@@ -438,3 +446,39 @@ def test_compiler_crash_costs_only_its_own_request(tmp_path, monkeypatch):
     results = cross_compile([good, crash, good, _small_request(90)], jobs=1)
     assert [r.ok for r in results] == [True, False, True, True]
     assert "the compiler crashed (killed by SIGABRT)" in results[1].error
+
+
+# ------------------------------------------------------------------------------ the wgmma kernel
+
+
+def test_wgmma_plan_every_candidate_compiles_clean_on_sm90(cache):
+    """Every candidate of the SM90 prefill kernel: the shared-memory model is exact, no spill, a
+    bf16 wgmma, and no SASS write to the A registers of a wgmma still in flight (plan.sass)."""
+    spec = get_kernel("fp4_linear_wgmma")
+    arch = get_arch("sm90")
+    for fmt in ("nvfp4", "mxfp4"):
+        problem = LinearProblem(4096, 12288, 6144, fmt=fmt, has_bias=fmt == "nvfp4")
+        configs = spec.candidates(problem, arch)
+        results = cross_compile([spec.compile_request(c, problem, arch) for c in configs], cache=cache)
+        for cfg, r in zip(configs, results):
+            assert r.ok, f"{cfg} {fmt}: {r.error}"
+            assert r.shared == spec.smem_model(cfg, problem, arch).total, (cfg, r.shared)
+            assert r.spill_bytes == 0, (cfg, r.ptxas_log)
+            assert spec.expected_mma(problem, arch).violation(r.mma) is None, (cfg, r.mma)
+            assert r.wgmma_hazards == (), (cfg, r.wgmma_hazards)
+
+
+def test_wgmma_plan_refuses_other_architectures_and_modes():
+    from fp4moe.plan.cli import _linear_kernel
+
+    with pytest.raises(ValueError, match="needs wgmma"):
+        plan_op("fp4_linear_wgmma", LinearProblem(4096, 4096, 4096), "sm120", compile=False)
+    with pytest.raises(ValueError, match="W4A16 with bf16"):
+        plan_op("fp4_linear_wgmma", LinearProblem(4096, 4096, 4096, mode="w4a4"), "sm90", compile=False)
+    r = plan_op("fp4_linear_wgmma", LinearProblem(4096, 12288, 6144), "sm90", compile=False)
+    assert r.chosen is not None and r.chosen.smem.total <= get_arch("sm90").smem_per_block_optin
+    # the plan follows the runtime's routing: wgmma for bf16 prefill on SM90 only
+    assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_wgmma"
+    assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear"
+    assert _linear_kernel(4096, 12288, 6144, "w4a4", get_arch("sm90")) == "fp4_linear"
+    assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear"

@@ -18,10 +18,13 @@ TMA copies then move tiles as they are; the earlier version permuted pairs with 
 Pipelining and a Triton 3.6 hazard. One wgmma group stays in flight while the next chunk is
 decoded, which needs the in-flight group's A registers left alone: Triton 3.6 does not ensure it
 (triton-lang/triton#9433) and ptxas reused them for the next chunk's weight words (wrong rows).
-The K loop is therefore unrolled by two (each half's operand in its own registers) and each
-operand passes through a ``mov`` right before its wgmma, the form in which ptxas tracks the
-registers; ``fp4moe.plan.sass.wgmma_register_hazards`` checks the SASS of every tested
-configuration for writes to in-flight operands.
+What keeps them apart is the K loop unrolled by two: each half's operand lives in its own
+registers, and each half's registers are redefined only after the wait that retires them. Each
+operand also passes through a ``mov`` right before its wgmma: in the unrolled loop it changes no
+instruction, but it is the form in which ptxas tracks the registers itself, so that if a future
+change lets them collide again, ptxas serialises (it injected a full wait in the non-unrolled
+build, ptxas info C7517) rather than corrupting. ``fp4moe.plan.sass.wgmma_register_hazards``
+checks the SASS of the configurations the tests and the planner compile.
 
 One program: 32 WARPS weight rows (WARPS = 4 or 8 warps x 16 rows, twice: one or two
 warpgroups) x BLOCK_M rows of activations. Epilogue (``kernels.moe._moe_epilogue``):
@@ -98,7 +101,7 @@ def fp4_gemm_wgmma_kernel(
     stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
     BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64 or 128
     WARPS: gl.constexpr,  # 4 (one warpgroup: 128 weight rows per program) or 8 (two: 256)
-    STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 1 load while c computes)
+    STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 2 load while c computes)
     MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     SWIGLU: gl.constexpr,  # 0 none, 1 silu(g) * u, 2 gpt-oss clamped variant (ALPHA, LIMIT)
     ALPHA: gl.constexpr, LIMIT: gl.constexpr,

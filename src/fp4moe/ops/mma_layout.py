@@ -346,10 +346,17 @@ def mma_order_rows(x2: torch.Tensor, k_stored: int, rows: torch.Tensor | None = 
 
     if k_stored % KCHUNK or k_stored < x2.shape[1]:
         raise ValueError(f"k_stored: expected a multiple of {KCHUNK} >= K = {x2.shape[1]}, got {k_stored}")
+    if rows is not None:
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x2.device:
+            raise ValueError(f"rows: expected a 1-D int32/int64 tensor on {x2.device}, got {rows.dtype} "
+                             f"{tuple(rows.shape)} on {rows.device}")
+        rows = rows.contiguous()
     xp = _x_pairs(x2)
     R = x2.shape[0] if rows is None else rows.shape[0]
     if out is None:
         out = torch.empty((R, k_stored), dtype=torch.bfloat16, device=x2.device)
+    elif tuple(out.shape) != (R, k_stored) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous bf16 [{R}, {k_stored}], got {out.dtype} {tuple(out.shape)}")
     if R == 0:
         return out
     op = out.view(torch.int32)
@@ -366,8 +373,12 @@ def _x_desc(xm: torch.Tensor, block_m: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if (xm.dtype != torch.bfloat16 or xm.dim() != 2 or xm.stride(1) != 1 or (xm.stride(0) * 2) % 16
+            or xm.data_ptr() % 16 or xm.shape[1] % KCHUNK):
+        raise ValueError(f"activations for TMA: expected bf16 [R, K] with K a multiple of {KCHUNK}, 16-byte aligned "
+                         f"rows and base, got {xm.dtype} {tuple(xm.shape)} strides {tuple(xm.stride())}")
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return TensorDescriptor.from_tensor(xm, [block_m, KCHUNK], layout)
+    return TensorDescriptor.from_tensor(xm, [block_m, KCHUNK], layout)  # type: _x_desc_type(block_m)
 
 
 def _wgmma_consts(p: MMAPackedFP4) -> dict:
@@ -377,9 +388,56 @@ def _wgmma_consts(p: MMAPackedFP4) -> dict:
     return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx))
 
 
+def _x_desc_type(block_m: int) -> str:
+    """The Triton signature type of ``_x_desc``'s descriptor (what the runtime would specialise)."""
+    return (f"tensordesc<bf16[{block_m}, {KCHUNK}],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, "
+            "rank=2, transposed=False, fp4_padded=False, cga_layout=[])>")
+
+
+def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *, gemm: str = "linear",
+                          has_bias: bool = False, wg_mode: int | None = None):
+    """The cross-compilation request (``fp4moe.plan.crosscompile``) of the wgmma kernel as the
+    launchers call it: ``gemm`` "linear" (plain), "gemm1" (MoE GEMM 1: gather pass, SwiGLU, h in
+    MMA order) or "gemm2" (MoE GEMM 2: routing weight, fp32 scatter). ``wg_mode``: global scales
+    (default: one per weight for an NVFP4 linear, per expert for NVFP4 MoE, none for MXFP4)."""
+    from ..formats import get_format
+    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
+    from ..plan.crosscompile import CompileRequest
+
+    if gemm not in ("linear", "gemm1", "gemm2"):
+        raise ValueError(f"gemm: expected 'linear', 'gemm1' or 'gemm2', got {gemm!r}")
+    mx = get_format(fmt) is not NVFP4
+    if wg_mode is None:
+        wg_mode = 0 if mx else 1
+    signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_desc": _x_desc_type(config.block_m), "wg_ptr": "*fp32",
+                 "bias_ptr": "*bf16", "out_ptr": "*fp32" if gemm == "gemm2" else "*bf16", "tile_expert_ptr": "*i32",
+                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32",
+                 "n_tiles_m": "i32"}
+    constexprs = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, MXFP4=mx, WG_MODE=wg_mode,
+                      HAS_BIAS=has_bias, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
+                      GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
+                      OUT_MMA_ORDER=gemm == "gemm1", FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
+                      SCALE=scale_asm(mx), GROUP_M=config.group_m if gemm == "linear" else 1)
+    return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
+                          constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
+                          divisible_by_16=("wq_ptr", "sc_ptr", "out_ptr", "N", "K", "stride_om"))
+
+
+def wgmma_smem_terms(config: WgmmaConfig) -> list[tuple[str, int, int]]:
+    """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring (TMA
+    tiles), the weight-word ring (each thread's cp.async words) and one mbarrier per stage. The
+    epilogue works from registers. Checked against compiled kernels in the tests."""
+    nb = 2 * config.warps  # 16-row weight blocks per program
+    return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
+            ("weight words", nb * 32 * 4 * 4, config.stages),
+            ("mbarrier", 8, config.stages)]
+
+
 def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
                         config: WgmmaConfig = WgmmaConfig()) -> torch.Tensor:
-    """``out[M, N] = x2[M, K] @ W^T (+ bias)`` in one launch on SM90 (wgmma; compiled CUDA only)."""
+    """``out[M, N] = x2[M, K] @ W^T (+ bias)`` on SM90 (wgmma; compiled CUDA only): two launches,
+    the pass into MMA K order (``mma_order_rows``) and the GEMM."""
     import triton
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
@@ -433,6 +491,16 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         raise ValueError(f"n_per_expert: the fused activation needs 2I a multiple of 32, got {n_per_expert}")
     k_stored = p.words.shape[1] * KCHUNK
     R = plan.sorted_pair.shape[0]
+    if x_mma_order and gather:
+        raise ValueError("x_mma_order: activations already in MMA order are not gathered again (gather=False)")
+    n_out = n_per_expert // 2 if swiglu else n_per_expert
+    if out_mma_order:
+        if not swiglu:
+            raise ValueError("out_mma_order: only GEMM 1 (swiglu > 0) writes its output in MMA K order")
+        width = -(-n_out // KCHUNK) * KCHUNK
+        if out.dim() != 2 or out.shape[0] != R or out.shape[1] < width or out.stride(1) != 1:
+            raise ValueError(f"out: GEMM 1 in MMA K order writes [{R}, {width}] (I = {n_out} padded to {KCHUNK}), "
+                             f"got {tuple(out.shape)}")
     if x_mma_order:
         if tuple(x2.shape) != (R, k_stored) or x2.dtype != torch.bfloat16 or x2.stride(-1) != 1:
             raise ValueError(f"x2: expected bf16 [{R}, {k_stored}] in MMA K order, got {x2.dtype} {tuple(x2.shape)}")
@@ -442,7 +510,6 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
     if R == 0:
         return out
     wg, wg_mode = globals_
-    n_out = n_per_expert // 2 if swiglu else n_per_expert
     unused = plan.sorted_pair
     fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, 16 * config.warps * (1 if swiglu else 2)),)](
         p.words, p.scales.view(torch.int16), _x_desc(xm, config.block_m), wg if wg is not None else unused,

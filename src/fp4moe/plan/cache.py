@@ -31,7 +31,7 @@ from .crosscompile import CompiledKernel, CompileRequest, _from_json
 
 __all__ = ["FORMAT", "CompileCache", "default_cache_dir", "kernel_source_hash"]
 
-FORMAT = 1
+FORMAT = 2
 _KERNEL_PACKAGE = "fp4moe.kernels"
 
 

@@ -1,14 +1,17 @@
 """``fp4moe plan``: prove each FP4 GEMM of a model fits the target GPU, on a machine without one.
 
 For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops``: the experts'
-gate+up and down, planned as the two grouped GEMMs ``fp4_moe_gemm`` over the local experts; the
-shared expert and the dense MLP as ``fp4_linear``), the planner picks a configuration, proves
+gate+up and down, planned as the two grouped GEMMs over the local experts, ``fp4_moe_wgmma`` for
+SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``
+or, for SM90 prefill, ``fp4_linear_wgmma``: the kernels the runtime runs), the planner picks a
+configuration, proves
 it by cross-compiling for the target, and reports shared memory used / allowed with its
 breakdown, registers, MMA instruction, modelled time and fraction of the roofline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -55,8 +58,10 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     """[(tokens, name, LinearOp, PlanResult)] for every FP4 GEMM of one layer of ``model`` per token bucket.
 
     The routed experts' rows ("experts.w13 (gate+up)", "experts.w2 (down)") are planned as the
-    grouped GEMMs (kernel ``fp4_moe_gemm``, problem ``moe_problem``; one launch per layer each);
-    the shared expert and the dense MLP as ``fp4_linear``."""
+    grouped GEMMs (kernel ``fp4_moe_wgmma`` for SM90 prefill, else ``fp4_moe_gemm``; problem
+    ``moe_problem``; one launch per layer each);
+    the shared expert and the dense MLP as the kernel the runtime runs for them
+    (``fp4_linear_wgmma`` for bf16 prefill on SM90, ``fp4_linear`` otherwise)."""
     from ..models import fp4_linear_ops
     from .planner import _resolve, plan_many
     from .space import LinearProblem, QuantizeProblem
@@ -68,15 +73,46 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
         for op in fp4_linear_ops(model, t, tp=tp, ep=ep):
             entries.append((t, op.name, op))
             if op.name in _GROUPED:  # the routed experts: one grouped GEMM over every local expert
-                items.append(("fp4_moe_gemm", moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt,
-                                                          mode=mode, arch=target)))
+                problem = moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt, mode=mode, arch=target)
+                if _moe_on_wgmma(model, problem, target):
+                    problem = dataclasses.replace(problem, block_m=None)  # the wgmma plan's own tiles
+                    items.append(("fp4_moe_wgmma", problem))
+                else:
+                    items.append(("fp4_moe_gemm", problem))
             else:
-                items.append(("fp4_linear", LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
+                items.append((_linear_kernel(op.M, op.N, op.K, mode, target),
+                              LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
         if mode == "w4a4":  # the activation quantizer runs once per token before the experts
             entries.append((t, "quantize x (NVFP4)", None))
             items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))
     results = plan_many(items, arch, gpu, compile=compile, jobs=jobs)
     return [(t, name, op, r) for (t, name, op), r in zip(entries, results)]
+
+
+def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
+    """The registered kernel ``fp4_linear`` runs for this shape on ``arch`` (``ops.linear.packed_config``):
+    the wgmma kernel for bf16 prefill on SM90, else the Triton kernel (the mma.sync decode kernel has
+    no spec yet: it uses no shared memory; tests check its registers)."""
+    from ..ops.linear import packed_config
+    from ..ops.mma_layout import WgmmaConfig
+
+    cfg = packed_config(mode, arch, M, N, K) if mode == "w4a16" else None
+    return "fp4_linear_wgmma" if isinstance(cfg, WgmmaConfig) else "fp4_linear"
+
+
+#: kernels that run an MoE layer's experts as one grouped GEMM (a MoEGemmProblem)
+_GROUPED_KERNELS = ("fp4_moe_gemm", "fp4_moe_wgmma")
+
+
+def _moe_on_wgmma(model, problem, arch) -> bool:
+    """The runtime's choice (``ops.moe.packed_layout_config``): bf16 W4A16 layers with more than
+    16 rows per expert run the wgmma kernel on SM90 when w13 is gate-then-up (gpt-oss checkpoints
+    interleave gate and up rows) and I is a multiple of 16. Decode-sized layers run the mma.sync
+    kernel, which has no spec yet, so they are planned as ``fp4_moe_gemm``."""
+    from ..ops.mma_layout import MAX_M, fuses_activation
+
+    return (problem.mode == "w4a16" and arch.bf16_mma == "wgmma" and problem.pairs / problem.E > MAX_M
+            and model.routing.kind != "gpt_oss" and fuses_activation(2 * problem.hidden_and_intermediate()[1]))
 
 
 def short_mma(forms: str | None) -> str:
@@ -96,7 +132,7 @@ def short_mma(forms: str | None) -> str:
 def _row(t, name, op, r) -> dict:
     v = r.chosen
     out = {"tokens": t, "op": name, "kernel": r.kernel, "variant": r.variant, "problem": str(r.problem),
-           "count_per_layer": op.count if op is not None and r.kernel != "fp4_moe_gemm" else 1}
+           "count_per_layer": op.count if op is not None and r.kernel not in _GROUPED_KERNELS else 1}
     if v is None:
         out.update(config=None, error="no legal configuration")
         return out
@@ -169,7 +205,7 @@ def plan_command(
     for col in ("tokens", "op", "N×K (M)", "configuration", "shared memory", "regs", "MMA", "µs (model)", "of peak"):
         table.add_column(col, overflow="fold")
     for (t, name, op, r), row in zip(planned, rows):
-        if r.kernel == "fp4_moe_gemm":
+        if r.kernel in _GROUPED_KERNELS:
             p = r.problem
             shape = f"{p.E}× {p.weight_rows}×{p.K} ({p.pairs} rows)"
         else:

@@ -56,6 +56,8 @@ class CompiledKernel:
     ptxas_log: str = ""
     smem_buffers: tuple[str, ...] = ()  # explicit shared buffers in the TTGIR (e.g. "2x128x64xi8")
     compile_s: float | None = None  # seconds the compilation took (not counting a cache hit)
+    # SASS writes to registers an in-flight register-A wgmma still reads (plan.sass); wgmma kernels only
+    wgmma_hazards: tuple[str, ...] = ()
 
 
 def mma_instructions(ptx: str) -> tuple[str, ...]:
@@ -76,6 +78,7 @@ def _from_json(r: dict) -> CompiledKernel:
     values = {k: v for k, v in r.items() if k in known}
     values["mma"] = tuple(values.get("mma") or ())
     values["smem_buffers"] = tuple(values.get("smem_buffers") or ())
+    values["wgmma_hazards"] = tuple(values.get("wgmma_hazards") or ())
     return CompiledKernel(**values)
 
 

@@ -237,6 +237,9 @@ def _compiled_verdict(spec: KernelSpec, v: Verdict, problem: Any, arch: Arch, gp
         if result.spill_bytes is not None and result.spill_bytes > SPILL_LIMIT_BYTES:
             reasons.append(f"spills {result.spill_bytes:,} B to local memory ({result.registers} registers per "
                            f"thread; limit {SPILL_LIMIT_BYTES} B)")
+        if result.wgmma_hazards:
+            reasons.append(f"{len(result.wgmma_hazards)} SASS instruction(s) write registers of a wgmma still in "
+                           f"flight (its A operand), e.g. {result.wgmma_hazards[0]} (plan.sass)")
         expectation = spec.expected_mma(problem, arch)
         if expectation is not None:
             problem_mma = expectation.violation(result.mma)

@@ -12,8 +12,10 @@ A ``KernelSpec`` ties together, for one family of kernels:
 * ``model_time(config, problem, gpu)``: a roofline estimate (bytes over bandwidth against
   FLOPs over peak, with waves over the SM count and the split-K reduction).
 
-Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``nvfp4_quantize`` and
-``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``).
+Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``fp4_linear_wgmma`` (the
+SM90 prefill kernel on weights in MMA operand order, ``kernels.gemm_wgmma``, Gluon), ``nvfp4_quantize``,
+``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``) and
+``fp4_moe_wgmma`` (the same GEMMs on the wgmma kernel, SM90 prefill).
 Later kernels add a spec with ``register``. Nothing here imports Triton or torch at import time.
 """
 
@@ -39,6 +41,8 @@ __all__ = [
     "LinearProblem",
     "LinearSpec",
     "MmaExpectation",
+    "WgmmaLinearSpec",
+    "WgmmaMoESpec",
     "MoEGemmProblem",
     "MoEGemmSpec",
     "QuantizeProblem",
@@ -395,6 +399,91 @@ class LinearSpec(KernelSpec[LinearProblem, Any]):
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
 
+class WgmmaLinearSpec(KernelSpec[LinearProblem, Any]):
+    """``kernels.gemm_wgmma.fp4_gemm_wgmma_kernel`` as the plain linear (W4A16, bf16 activations,
+    SM90 only): weights decoded into wgmma's register operand, activations by TMA after one pass
+    into MMA K order (``ops.mma_layout``). Its shared memory is exact (``wgmma_smem_terms``), and
+    the compile check also proves the SASS leaves the registers of in-flight wgmmas alone."""
+
+    name = "fp4_linear_wgmma"
+    problem_type = LinearProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.mma_layout import WgmmaConfig
+
+        return WgmmaConfig
+
+    def check_problem(self, problem: Any) -> LinearProblem:
+        problem = super().check_problem(problem)
+        if problem.mode != "w4a16" or problem.x_dtype != "bf16":
+            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.mode} with {problem.x_dtype}")
+        return problem
+
+    @staticmethod
+    def _check_arch(arch: Arch) -> None:
+        if arch.bf16_mma != "wgmma":
+            raise ValueError(f"fp4_linear_wgmma: needs wgmma (SM90); {arch.name} has {arch.bf16_mma} "
+                             "(its prefill runs fp4_linear)")
+
+    def variant(self, problem: LinearProblem, arch: Arch) -> str:
+        return "w4a16_wgmma"
+
+    def candidates(self, problem: LinearProblem, arch: Arch) -> list:
+        """64- and 128-row activation tiles, one or two warpgroups, rings of 3 to 6 stages."""
+        from ..ops.mma_layout import WgmmaConfig
+
+        self.check_problem(problem)
+        self._check_arch(arch)
+        return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8) for s in (3, 4, 5, 6)]
+
+    def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.mma_layout import choose_wgmma_config
+
+        self.check_problem(problem)
+        self._check_arch(arch)
+        return choose_wgmma_config(problem.M, problem.N, problem.K)
+
+    def smem_model(self, config, problem: LinearProblem, arch: Arch) -> SmemBreakdown:
+        from ..ops.mma_layout import wgmma_smem_terms
+        from .smem import SmemTerm
+
+        self.check_config(config)
+        return SmemBreakdown(tuple(SmemTerm(name, each, count, source="allocate_shared_memory")
+                                   for name, each, count in wgmma_smem_terms(config)))
+
+    def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
+        from ..ops.mma_layout import wgmma_compile_request
+
+        return wgmma_compile_request(config, problem.fmt, arch.sm_version, has_bias=problem.has_bias,
+                                     wg_mode=1 if get_format(problem.fmt).has_global_scale else 0)
+
+    def expected_mma(self, problem: LinearProblem, arch: Arch) -> MmaExpectation:
+        return MmaExpectation("bf16 wgmma (A from registers)", (("wgmma.mma_async", ".bf16"),))
+
+    def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
+        from ..bench.roofline import fp4_weight_bytes
+
+        M, N, K = problem.M, problem.N, problem.K
+        bn, bm = 32 * config.warps, config.block_m
+        tiles_m, tiles_n = _cdiv(M, bm), _cdiv(N, bn)
+        w_once = fp4_weight_bytes(N, K, problem.fmt)
+        x_once, y_once = M * K * 2, M * N * 2
+        # the pass into MMA K order reads x and writes its copy; the GEMM reads the copy
+        nbytes = w_once + 3 * x_once + y_once
+        l2_bytes = tiles_m * w_once + tiles_n * x_once + y_once
+        flops = 2 * (tiles_m * bm) * (tiles_n * bn) * K
+        peak = gpu.bf16_dense_tflops
+        smem = self.smem_model(config, problem, gpu.arch).total
+        ctas = _occupancy(gpu.arch, smem, 32 * config.warps, registers)
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=tiles_m * tiles_n,
+                                       ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=SECOND_KERNEL_US)
+        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=tiles_m * tiles_n, waves=waves,
+                            ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak,
+                            notes=("activations re-ordered into MMA K order by a separate pass",))
+
+
 # ------------------------------------------------------------------------------------------
 # nvfp4_quantize
 
@@ -747,6 +836,100 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
 # ------------------------------------------------------------------------------------------
 # registry
 
+class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
+    """The MoE layer's grouped GEMMs on the SM90 wgmma kernel (``kernels.gemm_wgmma``, GROUPED):
+    what the runtime runs for bf16 W4A16 layers with more than 16 rows per expert on SM90
+    (``ops.moe.packed_layout_config``). GEMM 1 reads the gathered rows in MMA K order and applies
+    SwiGLU; GEMM 2 applies the routing weight and scatters fp32 rows. Same shared memory as the
+    plain kernel (``wgmma_smem_terms``)."""
+
+    name = "fp4_moe_wgmma"
+    problem_type = MoEGemmProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.mma_layout import WgmmaConfig
+
+        return WgmmaConfig
+
+    def check_problem(self, problem: Any) -> MoEGemmProblem:
+        problem = super().check_problem(problem)
+        if problem.mode != "w4a16" or problem.x_dtype != "bf16":
+            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.mode} with {problem.x_dtype}")
+        if problem.gemm == 1 and problem.N % 16:
+            raise ValueError(f"{self.name}: GEMM 1 fuses SwiGLU for I a multiple of 16, got I = {problem.N}")
+        return problem
+
+    def variant(self, problem: MoEGemmProblem, arch: Arch) -> str:
+        return "w4a16_wgmma"
+
+    def _block_ms(self, problem: MoEGemmProblem) -> tuple[int, ...]:
+        if problem.block_m is not None:
+            if problem.block_m not in (64, 128):
+                raise ValueError(f"{self.name}: block_m {problem.block_m} is pinned; the kernel takes 64 or 128")
+            return (problem.block_m,)
+        return (64, 128)
+
+    def candidates(self, problem: MoEGemmProblem, arch: Arch) -> list:
+        from ..ops.mma_layout import WgmmaConfig
+
+        self.check_problem(problem)
+        WgmmaLinearSpec._check_arch(arch)
+        return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in self._block_ms(problem) for w in (4, 8)
+                for s in (3, 4, 5, 6)]
+
+    def heuristic(self, problem: MoEGemmProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.moe import wgmma_moe_config
+
+        self.check_problem(problem)
+        WgmmaLinearSpec._check_arch(arch)
+        cfg = wgmma_moe_config(problem.pairs / problem.E)
+        if problem.block_m is not None and cfg.block_m != problem.block_m:
+            cfg = dataclasses.replace(cfg, block_m=self._block_ms(problem)[0])
+        return cfg
+
+    def smem_model(self, config, problem: MoEGemmProblem, arch: Arch) -> SmemBreakdown:
+        return WgmmaLinearSpec().smem_model(config, problem, arch)
+
+    def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
+        from ..ops.mma_layout import wgmma_compile_request
+
+        return wgmma_compile_request(config, problem.fmt, arch.sm_version, gemm=f"gemm{problem.gemm}",
+                                     wg_mode=1 if get_format(problem.fmt).has_global_scale else 0)
+
+    def expected_mma(self, problem: MoEGemmProblem, arch: Arch) -> MmaExpectation:
+        return MmaExpectation("bf16 wgmma (A from registers)", (("wgmma.mma_async", ".bf16"),))
+
+    def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
+        from ..bench.roofline import fp4_weight_bytes
+
+        bm, rows = config.block_m, 32 * config.warps  # weight rows per program
+        experts = problem.active_experts
+        per_expert = problem.pairs / experts
+        tiles = experts * _cdiv(int(per_expert + 0.999), bm)  # uniform routing
+        w_rows = problem.weight_rows
+        tiles_n = _cdiv(w_rows, rows)
+        programs = tiles * tiles_n
+        w_expert = fp4_weight_bytes(w_rows, problem.K, problem.fmt)
+        x_rows = problem.pairs * problem.K * 2
+        out_bytes = problem.pairs * problem.N * (2 if problem.gemm == 1 else 4)
+        gather = 2 * x_rows if problem.gemm == 1 else 0  # the pass into MMA K order (GEMM 1 only)
+        nbytes = experts * w_expert + x_rows + out_bytes + gather
+        l2_bytes = tiles * w_expert + tiles_n * x_rows + out_bytes
+        flops = 2 * (tiles * bm) * (tiles_n * rows) * problem.K
+        peak = gpu.bf16_dense_tflops
+        smem = self.smem_model(config, problem, gpu.arch).total
+        ctas = _occupancy(gpu.arch, smem, 32 * config.warps, registers)
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas, l2_bytes=l2_bytes,
+                                       extra_us=SECOND_KERNEL_US if problem.gemm == 1 else 0.0)
+        bound = max((experts * w_expert + x_rows + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3),
+                    2 * problem.pairs * w_rows * problem.K / (peak * 1e6))
+        notes = (f"{tiles} row tiles of {bm} over {experts} experts (uniform routing)",)
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
+                            bytes=nbytes, flops=flops, peak_tflops=peak, notes=notes)
+
+
 _KERNELS: dict[str, KernelSpec] = {}
 KERNELS: Mapping[str, KernelSpec] = MappingProxyType(_KERNELS)
 """Every registered kernel family, by name."""
@@ -773,5 +956,7 @@ def get_kernel(name: str | KernelSpec) -> KernelSpec:
 
 
 _LINEAR = register(LinearSpec())
+register(WgmmaLinearSpec())
 register(QuantizeSpec())
 register(MoEGemmSpec())
+register(WgmmaMoESpec())

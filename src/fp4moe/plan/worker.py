@@ -22,23 +22,27 @@ def _dtype(value):
     return names.get(value, value) if isinstance(value, str) else value
 
 
-def _ptxas(ptx: str, cc: int) -> tuple[int | None, int | None, str]:
-    """Registers and spill bytes from the ptxas Triton ships (ptxas-blackwell for cc >= 100)."""
+def _ptxas(ptx: str, cc: int, sass: bool = False) -> tuple[int | None, int | None, str, str]:
+    """Registers, spill bytes and the log from the ptxas Triton ships (ptxas-blackwell for cc >=
+    100), and the SASS (cuobjdump) when ``sass``."""
     import triton
 
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     exe = os.path.join(bindir, "ptxas-blackwell" if cc >= 100 and os.path.exists(os.path.join(bindir, "ptxas-blackwell")) else "ptxas")
     arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+    text = ""
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.ptx")
+        path, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(path, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([exe, "-v", f"--gpu-name={arch}", path, "-o", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True)
+        proc = subprocess.run([exe, "-v", f"--gpu-name={arch}", path, "-o", cubin], capture_output=True, text=True)
+        if sass and proc.returncode == 0:
+            text = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                  text=True).stdout
     log = proc.stdout + proc.stderr
     regs = re.search(r"Used (\d+) registers", log)
     spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
-    return (int(regs.group(1)) if regs else None, max(spills) if spills else None, log.strip())
+    return (int(regs.group(1)) if regs else None, max(spills) if spills else None, log.strip(), text)
 
 
 # `ttg.local_alloc ... -> !ttg.memdesc<2x128x64xi8, #shared, ...>`: the explicit shared-memory
@@ -56,8 +60,10 @@ def _compile_one(req: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     from fp4moe.plan.crosscompile import mma_instructions
+    from fp4moe.plan.sass import wgmma_register_hazards
 
     start = time.perf_counter()
     module, name = req["kernel"].split(":")
@@ -67,13 +73,21 @@ def _compile_one(req: dict) -> dict:
     for k in constexprs:
         signature[k] = "constexpr"
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req["divisible_by_16"]}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": req["num_warps"], "num_stages": req["num_stages"]}
+    if isinstance(fn, GluonJITFunction):  # explicit-layout kernels (kernels/linear_mma.py, gemm_wgmma.py)
+        src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": req["num_warps"]}
+    else:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": req["num_warps"], "num_stages": req["num_stages"]}
     compiled = triton.compile(src, target=GPUTarget("cuda", req["cc"], 32), options=options)
     ptx = compiled.asm["ptx"]
-    regs, spills, log = _ptxas(ptx, req["cc"])
+    mma = mma_instructions(ptx)
+    # a wgmma reading A from registers must find them untouched until it retires (plan.sass)
+    check_sass = any(m.startswith("wgmma") for m in mma)
+    regs, spills, log, sass = _ptxas(ptx, req["cc"], sass=check_sass)
+    hazards = [" ".join(h) for h in wgmma_register_hazards(sass)] if check_sass else []
     return {"cc": req["cc"], "ok": True, "error": None, "shared": compiled.metadata.shared, "registers": regs,
-            "spill_bytes": spills, "mma": list(mma_instructions(ptx)), "ptxas_log": log[-2000:],
+            "spill_bytes": spills, "mma": list(mma), "ptxas_log": log[-2000:], "wgmma_hazards": hazards[:20],
             "smem_buffers": smem_buffers(compiled.asm.get("ttgir", "")),
             "compile_s": round(time.perf_counter() - start, 3)}
 
