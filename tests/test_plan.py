@@ -69,6 +69,9 @@ def _default_problems(arch):
         for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
             for mode in ("w4a16", "w4a4"):
                 items.append(("fp4_moe_gemm", MoEGemmProblem(T, 8, 256, N, K, gemm=gemm, mode=mode)))
+    for shape in GLM5_SHAPES:  # the decode kernel on packed weights (every architecture from SM80)
+        for M in (1, 16):
+            items.append(("fp4_linear_mma", LinearProblem(M, shape.N, shape.K)))
     wgmma = {"fp4_linear_wgmma", "fp4_moe_wgmma"}  # the prefill kernel on packed weights: SM90 only
     if arch.bf16_mma == "wgmma":
         for shape in GLM5_SHAPES:
@@ -335,7 +338,7 @@ def test_time_model_waves_split_and_bound():
 
 def test_registry_and_candidates():
     assert set(KERNELS) >= {"fp4_linear", "nvfp4_quantize"}
-    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_wgmma, nvfp4_quantize, fp4_moe_gemm, fp4_moe_wgmma"):
+    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, fp4_moe_gemm, fp4_moe_wgmma"):
         get_kernel("nope")
     with pytest.raises(ValueError, match="already registered"):
         register(get_kernel("fp4_linear"))
@@ -479,6 +482,25 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
     assert r.chosen is not None and r.chosen.smem.total <= get_arch("sm90").smem_per_block_optin
     # the plan follows the runtime's routing: wgmma for bf16 prefill on SM90 only
     assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_wgmma"
-    assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear"
+    assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_mma"
+    assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear_mma"
+    assert _linear_kernel(64, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear"
     assert _linear_kernel(4096, 12288, 6144, "w4a4", get_arch("sm90")) == "fp4_linear"
     assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear"
+
+
+def test_mma_decode_plan_on_every_architecture(cache):
+    """The decode kernel on packed weights compiles without shared memory or spills, with the
+    bf16 mma.sync, on every catalogued architecture from SM80; the plan keeps the heuristic's K
+    split and refuses what the kernel does not run."""
+    spec = get_kernel("fp4_linear_mma")
+    results = plan_many([("fp4_linear_mma", LinearProblem(M, 12288, 6144, fmt=fmt))
+                         for M, fmt in ((1, "nvfp4"), (16, "mxfp4"))], "sm120", cache=cache)
+    for r in results:
+        assert r.chosen is not None and r.chosen.compiled.shared == 0 and r.chosen.compiled.spill_bytes == 0, r
+        assert r.chosen.config.split_k == r.heuristic.config.split_k
+    for arch in ("sm80", "sm89", "sm90", "sm100"):
+        v = evaluate("fp4_linear_mma", LinearProblem(4, 4096, 6144), arch, cache=cache)
+        assert v.legal and v.compiled.shared == 0, (arch, v.reasons)
+    with pytest.raises(ValueError, match="M <= 16"):
+        spec.candidates(LinearProblem(64, 4096, 6144), get_arch("sm90"))

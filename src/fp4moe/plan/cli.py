@@ -2,8 +2,9 @@
 
 For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops``: the experts'
 gate+up and down, planned as the two grouped GEMMs over the local experts, ``fp4_moe_wgmma`` for
-SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``
-or, for SM90 prefill, ``fp4_linear_wgmma``: the kernels the runtime runs), the planner picks a
+SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``,
+``fp4_linear_mma`` for bf16 decode or ``fp4_linear_wgmma`` for SM90 prefill: the kernels the
+runtime runs), the planner picks a
 configuration, proves
 it by cross-compiling for the target, and reports shared memory used / allowed with its
 breakdown, registers, MMA instruction, modelled time and fraction of the roofline.
@@ -61,7 +62,8 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     grouped GEMMs (kernel ``fp4_moe_wgmma`` for SM90 prefill, else ``fp4_moe_gemm``; problem
     ``moe_problem``; one launch per layer each);
     the shared expert and the dense MLP as the kernel the runtime runs for them
-    (``fp4_linear_wgmma`` for bf16 prefill on SM90, ``fp4_linear`` otherwise)."""
+    (``fp4_linear_mma`` for bf16 decode, ``fp4_linear_wgmma`` for bf16 prefill on SM90,
+    ``fp4_linear`` otherwise)."""
     from ..models import fp4_linear_ops
     from .planner import _resolve, plan_many
     from .space import LinearProblem, QuantizeProblem
@@ -91,13 +93,14 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
 
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
     """The registered kernel ``fp4_linear`` runs for this shape on ``arch`` (``ops.linear.packed_config``):
-    the wgmma kernel for bf16 prefill on SM90, else the Triton kernel (the mma.sync decode kernel has
-    no spec yet: it uses no shared memory; tests check its registers)."""
+    bf16 W4A16 decode on the mma.sync kernel, prefill on SM90 on the wgmma kernel, else the Triton kernel."""
     from ..ops.linear import packed_config
-    from ..ops.mma_layout import WgmmaConfig
+    from ..ops.mma_layout import MMAConfig, WgmmaConfig
 
     cfg = packed_config(mode, arch, M, N, K) if mode == "w4a16" else None
-    return "fp4_linear_wgmma" if isinstance(cfg, WgmmaConfig) else "fp4_linear"
+    if isinstance(cfg, WgmmaConfig):
+        return "fp4_linear_wgmma"
+    return "fp4_linear_mma" if isinstance(cfg, MMAConfig) else "fp4_linear"
 
 
 #: kernels that run an MoE layer's experts as one grouped GEMM (a MoEGemmProblem)

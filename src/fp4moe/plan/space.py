@@ -12,7 +12,8 @@ A ``KernelSpec`` ties together, for one family of kernels:
 * ``model_time(config, problem, gpu)``: a roofline estimate (bytes over bandwidth against
   FLOPs over peak, with waves over the SM count and the split-K reduction).
 
-Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``fp4_linear_wgmma`` (the
+Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``fp4_linear_mma`` (W4A16
+decode on weights in MMA operand order, ``kernels.linear_mma``, Gluon), ``fp4_linear_wgmma`` (the
 SM90 prefill kernel on weights in MMA operand order, ``kernels.gemm_wgmma``, Gluon), ``nvfp4_quantize``,
 ``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``) and
 ``fp4_moe_wgmma`` (the same GEMMs on the wgmma kernel, SM90 prefill).
@@ -41,6 +42,7 @@ __all__ = [
     "LinearProblem",
     "LinearSpec",
     "MmaExpectation",
+    "MmaLinearSpec",
     "WgmmaLinearSpec",
     "WgmmaMoESpec",
     "MoEGemmProblem",
@@ -394,6 +396,90 @@ class LinearSpec(KernelSpec[LinearProblem, Any]):
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=extra)
         # the problem's own roofline: W, x and y once, unpadded FLOPs, the path's peak
+        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
+                            bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
+
+
+class MmaLinearSpec(KernelSpec[LinearProblem, Any]):
+    """``kernels.linear_mma.fp4_linear_mma_kernel`` (Gluon, mma.sync): W4A16 decode (M <= 16, bf16
+    activations) on weights in MMA operand order, on every architecture from SM80 (what
+    ``fp4_linear`` runs there). It uses no shared memory; what can go wrong on a new chip is
+    registers (spills) and the MMA instruction, which the compile check proves."""
+
+    name = "fp4_linear_mma"
+    problem_type = LinearProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.mma_layout import MMAConfig
+
+        return MMAConfig
+
+    def check_problem(self, problem: Any) -> LinearProblem:
+        from ..ops.mma_layout import MAX_M
+
+        problem = super().check_problem(problem)
+        if problem.mode != "w4a16" or problem.x_dtype != "bf16" or problem.M > MAX_M:
+            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations at M <= {MAX_M}, got {problem.mode} "
+                             f"with {problem.x_dtype} at M = {problem.M}")
+        return problem
+
+    def variant(self, problem: LinearProblem, arch: Arch) -> str:
+        return "w4a16_mma"
+
+    def candidates(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None) -> list:
+        """8 or 16 tokens per program, one or two 16-row blocks per warp, 64 to 256 K per step (4
+        warps, as the runtime), all at the heuristic's K split: the split buys latency hiding,
+        which the roofline cannot see (it would always drop the split and its reduction), and it
+        was measured on silicon (``choose_mma_config``)."""
+        from ..ops.mma_layout import MMAConfig
+
+        split = self.heuristic(problem, arch, sm_count).split_k
+        block_ms = (8, 16) if problem.M <= 8 else (16,)
+        return [MMAConfig(rb=rb, warps=4, kh=kh, block_m=bm, split_k=split) for bm in block_ms for rb in (1, 2)
+                for kh in (1, 2, 4)]
+
+    def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.mma_layout import choose_mma_config
+
+        self.check_problem(problem)
+        return choose_mma_config(problem.M, problem.N, problem.K, sm_count or default_gpu(arch).sm_count)
+
+    def smem_model(self, config, problem: LinearProblem, arch: Arch) -> SmemBreakdown:
+        self.check_config(config)
+        return SmemBreakdown(())  # operands go from global memory straight to registers
+
+    def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
+        from ..ops.mma_layout import mma_compile_request
+
+        return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, has_bias=problem.has_bias)
+
+    def expected_mma(self, problem: LinearProblem, arch: Arch) -> MmaExpectation:
+        return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
+
+    def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
+        from ..bench.roofline import fp4_weight_bytes
+        from ..ops.mma_layout import KCHUNK, _split
+
+        M, N, K = problem.M, problem.N, problem.K
+        _, split, _ = _split(config, _cdiv(K, KCHUNK))
+        tiles_n, tiles_m = _cdiv(N, config.block_n), _cdiv(M, config.block_m)
+        programs = tiles_n * tiles_m * split
+        w_once = fp4_weight_bytes(N, K, problem.fmt)
+        x_once, y_once = M * K * 2, M * N * 2
+        out_bytes = split * M * N * 4 if split > 1 else y_once
+        nbytes = w_once + x_once + out_bytes
+        flops = 2 * (tiles_m * config.block_m) * (tiles_n * config.block_n) * K
+        peak = gpu.bf16_dense_tflops
+        ctas = _occupancy(gpu.arch, 0, 32 * config.warps, registers)
+        notes = []
+        extra = 0.0
+        if split > 1:
+            extra = (split * M * N * 4 + y_once) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            notes.append(f"split-K {split}: fp32 partials and a reduction kernel")
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas, l2_bytes=tiles_n * x_once, extra_us=extra)
         bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
@@ -956,6 +1042,7 @@ def get_kernel(name: str | KernelSpec) -> KernelSpec:
 
 
 _LINEAR = register(LinearSpec())
+register(MmaLinearSpec())
 register(WgmmaLinearSpec())
 register(QuantizeSpec())
 register(MoEGemmSpec())

@@ -16,8 +16,13 @@ import traceback
 
 
 def _dtype(value):
+    """A request's constexpr as the compiler takes it: dtype names, and Gluon layouts sent as
+    ``{"layout": "module:function", "args": [...]}`` (layout objects do not travel as JSON)."""
     import triton.language as tl
 
+    if isinstance(value, dict) and "layout" in value:
+        module, name = value["layout"].split(":")
+        return getattr(importlib.import_module(module), name)(*value["args"])
     names = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     return names.get(value, value) if isinstance(value, str) else value
 
