@@ -72,6 +72,9 @@ def _default_problems(arch):
     for shape in GLM5_SHAPES:  # the decode kernel on packed weights (every architecture from SM80)
         for M in (1, 16):
             items.append(("fp4_linear_mma", LinearProblem(M, shape.N, shape.K)))
+    for T in (1, 16, 32):  # MoE decode on the grouped mma.sync kernel (8- and 16-row tiles)
+        for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
+            items.append(("fp4_moe_mma", MoEGemmProblem(T, 8, 256, N, K, gemm=gemm)))
     wgmma = {"fp4_linear_wgmma", "fp4_moe_wgmma"}  # the prefill kernel on packed weights: SM90 only
     if arch.bf16_mma == "wgmma":
         for shape in GLM5_SHAPES:
@@ -338,7 +341,7 @@ def test_time_model_waves_split_and_bound():
 
 def test_registry_and_candidates():
     assert set(KERNELS) >= {"fp4_linear", "nvfp4_quantize"}
-    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, fp4_moe_gemm, fp4_moe_wgmma"):
+    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, fp4_moe_gemm, fp4_moe_mma, fp4_moe_wgmma"):
         get_kernel("nope")
     with pytest.raises(ValueError, match="already registered"):
         register(get_kernel("fp4_linear"))
@@ -504,3 +507,26 @@ def test_mma_decode_plan_on_every_architecture(cache):
         assert v.legal and v.compiled.shared == 0, (arch, v.reasons)
     with pytest.raises(ValueError, match="M <= 16"):
         spec.candidates(LinearProblem(64, 4096, 6144), get_arch("sm90"))
+
+
+def test_plan_follows_the_runtime_moe_routing():
+    """``fp4moe plan`` plans the MoE experts on the kernel the runtime runs: the grouped mma.sync
+    kernel at decode (any architecture), the wgmma kernel at SM90 prefill (not for gpt-oss's
+    interleaved w13), the Triton kernel otherwise; the two GEMMs share one tile height."""
+    from fp4moe.models import get_model
+    from fp4moe.plan.cli import plan_model
+
+    glm = get_model("glm-5")
+    rows = plan_model(glm, arch="sm90", tokens=(16, 4096), compile=False)
+    kernels = {(t, name): r.kernel for t, name, _, r in rows if name.startswith("experts")}
+    assert kernels[(16, "experts.w13 (gate+up)")] == kernels[(16, "experts.w2 (down)")] == "fp4_moe_mma"
+    assert kernels[(4096, "experts.w13 (gate+up)")] == kernels[(4096, "experts.w2 (down)")] == "fp4_moe_wgmma"
+    for t in (16, 4096):
+        bms = {r.problem.block_m for tt, name, _, r in rows if tt == t and name.startswith("experts")}
+        assert len(bms) == 1, bms
+    sm120 = plan_model(glm, arch="sm120", tokens=(4096,), compile=False)
+    assert {r.kernel for _, name, _, r in sm120 if name.startswith("experts")} == {"fp4_moe_gemm"}
+    oss = plan_model(get_model("gpt-oss-120b"), arch="sm90", tokens=(4096,), compile=False)
+    assert {r.kernel for _, name, _, r in oss if name.startswith("experts")} == {"fp4_moe_gemm"}
+    w4a4 = plan_model(glm, arch="sm90", tokens=(16,), mode="w4a4", compile=False)
+    assert {r.kernel for _, name, _, r in w4a4 if name.startswith("experts")} == {"fp4_moe_gemm"}

@@ -241,9 +241,12 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     return split
 
 
-def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False):
-    """The cross-compilation request (``fp4moe.plan.crosscompile``) of the plain mma.sync kernel as
-    ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``)."""
+def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
+                        grouped: bool = False, gather: bool = False):
+    """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
+    ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
+    or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
+    for MoE GEMM 1)."""
     from ..formats import get_format
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
     from ..plan.crosscompile import CompileRequest
@@ -252,15 +255,15 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
     chunks = -(-K // KCHUNK)
     kh, split, _ = _split(config, chunks)
     signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
-                 "y_ptr": "*fp32" if split > 1 else "*bf16", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32",
+                 "y_ptr": "*fp32" if split > 1 or grouped else "*bf16", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32",
                  "tile_end_ptr": "*i32", "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32",
                  "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_split": "i32"}
-    constexprs = dict(RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx, HAS_WG=not mx,
-                      HAS_BIAS=has_bias, SPLIT_K=split, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
+    constexprs = dict(RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
+                      HAS_WG=not mx and not grouped, HAS_BIAS=has_bias and not grouped, SPLIT_K=split, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
                       SCALE=scale_asm(mx),
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
-                      EVEN_K=chunks * KCHUNK == K, GROUPED=False, GATHER=False)
+                      EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=("wq_ptr", "sc_ptr", "x_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym"))

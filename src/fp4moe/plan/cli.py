@@ -1,8 +1,8 @@
 """``fp4moe plan``: prove each FP4 GEMM of a model fits the target GPU, on a machine without one.
 
 For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops``: the experts'
-gate+up and down, planned as the two grouped GEMMs over the local experts, ``fp4_moe_wgmma`` for
-SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``,
+gate+up and down, planned as the two grouped GEMMs over the local experts, ``fp4_moe_mma`` at
+decode, ``fp4_moe_wgmma`` for SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``,
 ``fp4_linear_mma`` for bf16 decode or ``fp4_linear_wgmma`` for SM90 prefill: the kernels the
 runtime runs), the planner picks a
 configuration, proves
@@ -59,14 +59,14 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     """[(tokens, name, LinearOp, PlanResult)] for every FP4 GEMM of one layer of ``model`` per token bucket.
 
     The routed experts' rows ("experts.w13 (gate+up)", "experts.w2 (down)") are planned as the
-    grouped GEMMs (kernel ``fp4_moe_wgmma`` for SM90 prefill, else ``fp4_moe_gemm``; problem
+    grouped GEMMs (``fp4_moe_mma`` at decode, ``fp4_moe_wgmma`` for SM90 prefill, else ``fp4_moe_gemm``; problem
     ``moe_problem``; one launch per layer each);
     the shared expert and the dense MLP as the kernel the runtime runs for them
     (``fp4_linear_mma`` for bf16 decode, ``fp4_linear_wgmma`` for bf16 prefill on SM90,
     ``fp4_linear`` otherwise)."""
     from ..models import fp4_linear_ops
     from .planner import _resolve, plan_many
-    from .space import LinearProblem, QuantizeProblem
+    from .space import LinearProblem, QuantizeProblem, get_kernel
 
     target = _resolve(arch, gpu)[0]
     fmt = model.fmt if mode == "w4a16" else "nvfp4"
@@ -76,11 +76,11 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
             entries.append((t, op.name, op))
             if op.name in _GROUPED:  # the routed experts: one grouped GEMM over every local expert
                 problem = moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt, mode=mode, arch=target)
-                if _moe_on_wgmma(model, problem, target):
-                    problem = dataclasses.replace(problem, block_m=None)  # the wgmma plan's own tiles
-                    items.append(("fp4_moe_wgmma", problem))
-                else:
-                    items.append(("fp4_moe_gemm", problem))
+                kernel = _moe_kernel(model, problem, target)
+                if kernel != "fp4_moe_gemm":  # both GEMMs run on one plan: pin the runtime's tile height
+                    problem = dataclasses.replace(problem, block_m=None)
+                    problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
+                items.append((kernel, problem))
             else:
                 items.append((_linear_kernel(op.M, op.N, op.K, mode, target),
                               LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
@@ -104,18 +104,24 @@ def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
 
 
 #: kernels that run an MoE layer's experts as one grouped GEMM (a MoEGemmProblem)
-_GROUPED_KERNELS = ("fp4_moe_gemm", "fp4_moe_wgmma")
+_GROUPED_KERNELS = ("fp4_moe_gemm", "fp4_moe_mma", "fp4_moe_wgmma")
 
 
-def _moe_on_wgmma(model, problem, arch) -> bool:
-    """The runtime's choice (``ops.moe.packed_layout_config``): bf16 W4A16 layers with more than
-    16 rows per expert run the wgmma kernel on SM90 when w13 is gate-then-up (gpt-oss checkpoints
-    interleave gate and up rows) and I is a multiple of 16. Decode-sized layers run the mma.sync
-    kernel, which has no spec yet, so they are planned as ``fp4_moe_gemm``."""
-    from ..ops.mma_layout import MAX_M, fuses_activation
+def _moe_kernel(model, problem, arch) -> str:
+    """The runtime's choice (``ops.moe.packed_layout_config``) for bf16 W4A16 experts whose weight
+    rows are whole 16-row blocks: up to 16 rows per expert the grouped mma.sync kernel (every
+    architecture from SM80); above, on SM90, the wgmma kernel when w13 is gate-then-up (gpt-oss
+    checkpoints interleave gate and up rows) and I is a multiple of 16; otherwise the Triton kernel."""
+    from ..ops.mma_layout import MAX_M, ROWS, fuses_activation
 
-    return (problem.mode == "w4a16" and arch.bf16_mma == "wgmma" and problem.pairs / problem.E > MAX_M
-            and model.routing.kind != "gpt_oss" and fuses_activation(2 * problem.hidden_and_intermediate()[1]))
+    H, inter = problem.hidden_and_intermediate()
+    if problem.mode != "w4a16" or (2 * inter) % ROWS or H % ROWS:
+        return "fp4_moe_gemm"
+    if problem.pairs / problem.E <= MAX_M:
+        return "fp4_moe_mma"
+    if arch.bf16_mma == "wgmma" and model.routing.kind != "gpt_oss" and fuses_activation(2 * inter):
+        return "fp4_moe_wgmma"
+    return "fp4_moe_gemm"
 
 
 def short_mma(forms: str | None) -> str:

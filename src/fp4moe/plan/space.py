@@ -15,8 +15,9 @@ A ``KernelSpec`` ties together, for one family of kernels:
 Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``fp4_linear_mma`` (W4A16
 decode on weights in MMA operand order, ``kernels.linear_mma``, Gluon), ``fp4_linear_wgmma`` (the
 SM90 prefill kernel on weights in MMA operand order, ``kernels.gemm_wgmma``, Gluon), ``nvfp4_quantize``,
-``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``) and
-``fp4_moe_wgmma`` (the same GEMMs on the wgmma kernel, SM90 prefill).
+``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``),
+``fp4_moe_mma`` and ``fp4_moe_wgmma`` (the same GEMMs on the mma.sync kernel at decode and on the
+wgmma kernel at SM90 prefill).
 Later kernels add a spec with ``register``. Nothing here imports Triton or torch at import time.
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "LinearSpec",
     "MmaExpectation",
     "MmaLinearSpec",
+    "MmaMoESpec",
     "WgmmaLinearSpec",
     "WgmmaMoESpec",
     "MoEGemmProblem",
@@ -718,7 +720,8 @@ class MoEGemmProblem:
     down, ``N`` = H, ``K`` = I, rows scattered to fp32 pair outputs with the routing weight.
     mode "w4a16": x bf16/fp16; "w4a4": x quantized to NVFP4 (NVFP4 weights only).
     ``block_m``: the dispatch plan's tile height when it is fixed (both GEMMs of a layer run on
-    one plan, so they must share block_m); None lets the planner choose it.
+    one plan, so they must share block_m; 8 only for the mma.sync kernel); None lets the planner
+    choose it.
     """
 
     T: int
@@ -749,9 +752,9 @@ class MoEGemmProblem:
             raise ValueError(f"MoEGemmProblem: mode 'w4a4' needs NVFP4 weights, got {fmt}")
         if self.x_dtype not in _X_DTYPES:
             raise ValueError(f"MoEGemmProblem.x_dtype: expected one of {_X_DTYPES}, got {self.x_dtype!r}")
-        if self.block_m is not None and (not isinstance(self.block_m, int) or self.block_m < 16
+        if self.block_m is not None and (not isinstance(self.block_m, int) or self.block_m < 8
                                          or self.block_m & (self.block_m - 1)):
-            raise ValueError(f"MoEGemmProblem.block_m: expected None or a power of two >= 16, got {self.block_m!r}")
+            raise ValueError(f"MoEGemmProblem.block_m: expected None or a power of two >= 8, got {self.block_m!r}")
 
     @property
     def pairs(self) -> int:
@@ -922,6 +925,93 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
 # ------------------------------------------------------------------------------------------
 # registry
 
+class MmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
+    """The MoE layer's grouped GEMMs at decode on the mma.sync kernel (``kernels.linear_mma``,
+    GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert
+    (``ops.moe.packed_layout_config``). Each GEMM writes fp32 partial sums that a Triton epilogue
+    kernel finishes (globals, bias, SwiGLU; routing weight and scatter); no shared memory."""
+
+    name = "fp4_moe_mma"
+    problem_type = MoEGemmProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.mma_layout import MMAConfig
+
+        return MMAConfig
+
+    def check_problem(self, problem: Any) -> MoEGemmProblem:
+        from ..ops.mma_layout import MAX_M
+
+        problem = super().check_problem(problem)
+        if problem.mode != "w4a16" or problem.x_dtype != "bf16" or problem.pairs / problem.E > MAX_M:
+            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations at <= {MAX_M} rows per expert, got "
+                             f"{problem.mode} with {problem.x_dtype} at {problem.pairs / problem.E:.1f}")
+        return problem
+
+    def variant(self, problem: MoEGemmProblem, arch: Arch) -> str:
+        return "w4a16_mma"
+
+    def candidates(self, problem: MoEGemmProblem, arch: Arch) -> list:
+        from ..ops.mma_layout import MMAConfig
+
+        self.check_problem(problem)
+        block_ms = (problem.block_m,) if problem.block_m in (8, 16) else (8, 16)
+        return [MMAConfig(rb=rb, warps=4, kh=kh, block_m=bm, split_k=1) for bm in block_ms for rb in (1, 2)
+                for kh in (1, 2, 4)]
+
+    def heuristic(self, problem: MoEGemmProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.moe import mma_moe_config
+
+        self.check_problem(problem)
+        cfg = mma_moe_config(problem.pairs / problem.E)
+        if problem.block_m in (8, 16) and cfg.block_m != problem.block_m:
+            cfg = dataclasses.replace(cfg, block_m=problem.block_m)
+        return cfg
+
+    def smem_model(self, config, problem: MoEGemmProblem, arch: Arch) -> SmemBreakdown:
+        self.check_config(config)
+        return SmemBreakdown(())
+
+    def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
+        from ..ops.mma_layout import mma_compile_request
+
+        return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
+                                   gather=problem.gemm == 1)
+
+    def expected_mma(self, problem: MoEGemmProblem, arch: Arch) -> MmaExpectation:
+        return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
+
+    def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
+        from ..bench.roofline import fp4_weight_bytes
+
+        bm = config.block_m
+        experts = problem.active_experts
+        per_expert = problem.pairs / experts
+        tiles = experts * _cdiv(int(per_expert + 0.999), bm)
+        w_rows = problem.weight_rows
+        tiles_n = _cdiv(w_rows, config.block_n)
+        programs = tiles * tiles_n
+        w_expert = fp4_weight_bytes(w_rows, problem.K, problem.fmt)
+        x_rows = problem.pairs * problem.K * 2
+        partials = problem.pairs * w_rows * 4
+        nbytes = experts * w_expert + x_rows + partials
+        flops = 2 * (tiles * bm) * (tiles_n * config.block_n) * problem.K
+        peak = gpu.bf16_dense_tflops
+        ctas = _occupancy(gpu.arch, 0, 32 * config.warps, registers)
+        out_bytes = problem.pairs * problem.N * (2 if problem.gemm == 1 else 4)
+        # the epilogue kernel reads the partials and writes h (GEMM 1) or the pair rows (GEMM 2)
+        extra = (partials + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas, l2_bytes=tiles * w_expert + tiles_n * x_rows,
+                                       extra_us=extra)
+        bound = max((experts * w_expert + x_rows + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3),
+                    2 * problem.pairs * w_rows * problem.K / (peak * 1e6))
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
+                            bytes=nbytes, flops=flops, peak_tflops=peak,
+                            notes=("fp32 partial sums and an epilogue kernel",))
+
+
 class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs on the SM90 wgmma kernel (``kernels.gemm_wgmma``, GROUPED):
     what the runtime runs for bf16 W4A16 layers with more than 16 rows per expert on SM90
@@ -1046,4 +1136,5 @@ register(MmaLinearSpec())
 register(WgmmaLinearSpec())
 register(QuantizeSpec())
 register(MoEGemmSpec())
+register(MmaMoESpec())
 register(WgmmaMoESpec())
