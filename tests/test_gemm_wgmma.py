@@ -9,11 +9,9 @@ import sys
 import pytest
 import torch
 
-from fp4moe.formats import MXFP4, NVFP4
 from fp4moe.ops.mma_layout import WGMMA_MIN_M, WgmmaConfig, _x_pairs, choose_wgmma_config
 from fp4moe.quantize import quantize
-
-FMTS = [NVFP4, MXFP4]
+from layer_checks import FMTS, check_fp4linear_graph, check_moe_layer, moe_variants
 
 
 def test_config_validation_and_choice():
@@ -221,7 +219,12 @@ def _hopper():
     return arch is not None and arch.bf16_mma == "wgmma"
 
 
+needs_wgmma = pytest.mark.skipif(torch.cuda.is_available() and not _hopper(),
+                                 reason="the wgmma kernel needs an architecture with wgmma (SM90)")
+
+
 @pytest.mark.gpu
+@needs_wgmma
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 @pytest.mark.parametrize("M,N,K", [(1, 256, 128), (100, 300, 224), (256, 4096, 6144), (1000, 6144, 2048),
                                    (77, 512, 64), (130, 272, 1024),
@@ -230,8 +233,6 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
     from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
 
-    if not _hopper():
-        pytest.skip("the wgmma kernel needs an architecture with wgmma (SM90)")
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = quantize(torch.randn(N, K, device="cuda"), fmt)
@@ -246,57 +247,24 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
 
 
 @pytest.mark.gpu
+@needs_wgmma
 def test_gpu_fp4_linear_routes_prefill_to_wgmma_and_graphs_work():
-    from fp4moe import guard
-    from fp4moe.nn import FP4Linear
-    from fp4moe.ops.linear import fp4_linear_reference
-
-    if not _hopper():
-        pytest.skip("the wgmma kernel needs an architecture with wgmma (SM90)")
-    torch.manual_seed(0)
-    m = FP4Linear.from_linear(torch.nn.Linear(2048, 1024, bias=True), "nvfp4").cuda().to(torch.bfloat16)
-    x = torch.randn(3, 100, 2048, device="cuda", dtype=torch.bfloat16)  # 300 rows
-    ref = fp4_linear_reference(x, m.weight_fp4, m.bias).float()
-    y = m(x)
-    assert any(k.kernel.startswith("fp4_linear_wgmma") for k in guard._checked)
-    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
-    g = torch.cuda.CUDAGraph()
-    static = x.clone()
-    with torch.cuda.graph(g):
-        out = m(static)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, y)
+    check_fp4linear_graph("fp4_linear_wgmma", (3, 100, 2048))  # 300 rows
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FMTS, ids=str)
-@pytest.mark.parametrize("activation,per_row,bias", [("silu", False, False), ("silu", True, True),
-                                                     ("gpt_oss", False, True)])
+@needs_wgmma
+@pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias",
+                         moe_variants(("silu", False, False, False), ("silu", False, True, True),
+                                      ("gpt_oss", False, False, True)))
 @pytest.mark.parametrize("T,E,k,H,I", [(512, 8, 2, 256, 128), (700, 16, 4, 512, 256), (257, 5, 1, 128, 64),
                                        (300, 6, 3, 320, 96),
                                        (400, 8, 2, 192, 192),  # odd chunk counts in both GEMMs
                                        (300, 6, 2, 128, 32)])  # I below half a program's rows
-def test_gpu_moe_prefill_on_wgmma(fmt, activation, per_row, bias, T, E, k, H, I):
+def test_gpu_moe_prefill_on_wgmma(fmt, activation, interleaved, per_row, bias, T, E, k, H, I):
     """fp4_moe_experts routes prefill-sized W4A16 layers (gate-then-up w13) to the wgmma kernel:
     same numbers as the reference, dropped slots skipped, deterministic."""
-    from fp4moe import guard
-    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference, random_moe_problem
-
-    if not _hopper():
-        pytest.skip("the wgmma kernel needs an architecture with wgmma (SM90)")
-    if fmt is MXFP4 and per_row:
-        pytest.skip("MXFP4 has no global scales")
-    p = random_moe_problem(T, E, k, H, I, fmt.name, device="cuda", seed=T, per_row=per_row, bias=bias,
-                           dropped=(0, k - 1))
-    x, w13, w2, ids, wts = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights
-    kw = dict(activation=activation, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
-    y = fp4_moe_experts(x, w13, w2, ids, wts, **kw)
-    assert any(key.kernel.startswith("fp4_moe_wgmma") for key in guard._checked)
-    ref = fp4_moe_reference(x, w13, w2, ids, wts, **kw).float()
-    err = (y.float() - ref).abs().max() / ref.abs().max()
-    assert err < 2e-2, err
-    assert torch.equal(fp4_moe_experts(x, w13, w2, ids, wts, **kw), y)  # deterministic
+    check_moe_layer("fp4_moe_wgmma", fmt, activation, interleaved, per_row, bias, T, E, k, H, I)
 
 
 def test_linear_routing_per_architecture():

@@ -20,8 +20,10 @@ from fp4moe.formats import e4m3_to_e5m3, e5m3_to_e4m3
 from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
                                    unpack_mma)
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
+from layer_checks import FMTS, check_fp4linear_graph, check_moe_layer, moe_variants
 
-FMTS = [NVFP4, MXFP4]
+# (activation, interleaved, per-row globals, bias)
+MOE_VARIANTS = moe_variants(("silu", False, False, False), ("silu", False, True, True), ("gpt_oss", True, False, True))
 
 
 def _weights(N, K, fmt, seed=0):
@@ -204,59 +206,19 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
 
 @pytest.mark.gpu
 def test_gpu_fp4_linear_routes_decode_to_mma_layout_and_graphs_work():
-    from fp4moe import guard
-    from fp4moe.nn import FP4Linear
-    from fp4moe.ops.linear import fp4_linear_reference
-
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(2048, 1024, bias=True)
-    m = FP4Linear.from_linear(lin, "nvfp4").cuda()
-    assert getattr(m.weight, "_fp4moe_mma", None) is not None  # packed when moved to the GPU
-    x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
-    ref = fp4_linear_reference(x, m.weight_fp4, m.bias.to(torch.bfloat16)).float()
-    y = m.to(torch.bfloat16)(x)
-    assert any(k.kernel.startswith("fp4_linear_mma") for k in guard._checked)  # the guard saw the kernel
-    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
-    g = torch.cuda.CUDAGraph()
-    static = x.clone()
-    with torch.cuda.graph(g):
-        out = m(static)
-    g.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, y)
+    check_fp4linear_graph("fp4_linear_mma", (4, 2048))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FMTS, ids=str)
-@pytest.mark.parametrize("activation,interleaved,per_row,bias", [("silu", False, False, False),
-                                                                  ("silu", False, True, True),
-                                                                  ("gpt_oss", True, False, True)])
+@pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
 @pytest.mark.parametrize("T", [1, 5, 16, 48])
 def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bias, T):
     """fp4_moe_experts routes decode-sized W4A16 layers to the grouped MMA-layout kernel: same
     numbers as the reference, dropped slots skipped, deterministic."""
-    from fp4moe import guard
-    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference, random_moe_problem
-
-    if fmt is MXFP4 and per_row:
-        pytest.skip("MXFP4 has no global scales")
-    E, k = 64, 8
-    p = random_moe_problem(T, E, k, 1024, 512, fmt.name, device="cuda", seed=T, per_row=per_row, bias=bias,
-                           dropped=(0, k - 1))
-    x, w13, w2, ids, wts = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights
-    kw = dict(activation=activation, interleaved=interleaved, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
-    y = fp4_moe_experts(x, w13, w2, ids, wts, **kw)
-    assert any(key.kernel.startswith("fp4_moe_mma") for key in guard._checked)
-    ref = fp4_moe_reference(x, w13, w2, ids, wts, **kw).float()
-    err = (y.float() - ref).abs().max() / ref.abs().max()
-    assert err < 2e-2, err
-    assert torch.equal(fp4_moe_experts(x, w13, w2, ids, wts, **kw), y)  # deterministic
+    check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
 
 
-@pytest.mark.parametrize("fmt", FMTS, ids=str)
-@pytest.mark.parametrize("activation,interleaved,per_row,bias", [("silu", False, False, False),
-                                                                  ("silu", False, True, True),
-                                                                  ("gpt_oss", True, False, True)])
+@pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
 def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, interleaved, per_row, bias):
     """The MoE decode pipeline around the grouped kernel (plan, partials epilogue with globals, bias,
     activation, routing weight and scatter, combine) on CPU: the Gluon GEMM is replaced by a torch
@@ -265,8 +227,6 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     from fp4moe.ops.dispatch import dispatch
     from fp4moe.ops.moe import _run_mma, fp4_moe_reference, mma_moe_config, mma_packed_experts, random_moe_problem
 
-    if fmt is MXFP4 and per_row:
-        pytest.skip("MXFP4 has no global scales")
     T, E, k, H, I = 5, 6, 3, 64, 32
     p = random_moe_problem(T, E, k, H, I, fmt.name, device="cpu", seed=7, per_row=per_row, bias=bias, dropped=(2, 1))
     x, w13, w2, ids, wts, b13, b2 = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias, p.w2_bias

@@ -50,6 +50,21 @@ from .moe import _gate_up_rows, _moe_epilogue
 
 
 
+@triton.jit
+def stored_pair(q):
+    """The stored bf16 pair of K that MMA pair position ``q`` holds (``ops.mma_layout``'s K order:
+    inside each 64-K chunk, MMA pair 8kl + 4i2 + t holds stored pair 8t + 2kl + i2)."""
+    r = q % 32
+    return q - r + 8 * (r % 4) + 2 * (r // 8) + (r // 4) % 2
+
+
+@triton.jit
+def mma_pair(s):
+    """The inverse of ``stored_pair``: the MMA pair position of stored pair ``s``."""
+    r = s % 32
+    return s - r + 8 * ((r // 2) % 4) + 4 * (r % 2) + r // 8
+
+
 @gluon.jit
 def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, SWIGLU: gl.constexpr):
     """Weight 16-row block of tile row block ``rb`` (0 .. 2 WARPS - 1; warp w holds w and WARPS + w):
@@ -213,9 +228,8 @@ def fp4_gemm_wgmma_kernel(
     cols = pid_n * acc_g.shape[0] + gl.arange(0, acc_g.shape[0], layout=gl.SliceLayout(1, epi))
     rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, SWIGLU, False)
-    if OUT_MMA_ORDER:  # column j = 64c + 16t + 4kl + 2i2 + i0 goes to MMA position 64c + 16kl + 8i2 + 2t + i0
-        r = cols % 64
-        out_cols = cols - r + 16 * ((r // 4) % 4) + 8 * ((r // 2) % 2) + 2 * (r // 16) + r % 2
+    if OUT_MMA_ORDER:  # column j (bf16 pair j // 2) goes to its MMA position
+        out_cols = 2 * mma_pair(cols // 2) + cols % 2
     else:
         out_cols = cols
     _moe_epilogue(acc_g, acc_u, FOLD, e, rows, rows < row_end, out_cols, cols < N_OUT, gate_rows, up_rows, wg_ptr,
@@ -241,8 +255,7 @@ def mma_order_rows_kernel(
     r_mask = r < R
     src = tl.load(row_ptr + r, mask=r_mask, other=0) if GATHER else r
     q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    qq = q % 32
-    pair = q - qq + 8 * (qq % 4) + 2 * (qq // 8) + (qq // 4) % 2
+    pair = stored_pair(q)
     v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + pair[None, :],
                 mask=(r_mask & (src >= 0))[:, None] & (2 * pair < K_X)[None, :], other=0)
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + q[None, :], v, mask=r_mask[:, None])

@@ -398,15 +398,13 @@ def mma_order_rows(x2: torch.Tensor, k_stored: int, rows: torch.Tensor | None = 
 def _x_desc(xm: torch.Tensor, block_m: int):
     """TMA descriptor of activations in MMA K order [R, K]: [block_m, 64] tiles in the 128-byte
     swizzle that wgmma reads (rows past R are zero-filled by the copy)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     if (xm.dtype != torch.bfloat16 or xm.dim() != 2 or xm.stride(1) != 1 or (xm.stride(0) * 2) % 16
             or xm.data_ptr() % 16 or xm.shape[1] % KCHUNK):
         raise ValueError(f"activations for TMA: expected bf16 [R, K] with K a multiple of {KCHUNK}, 16-byte aligned "
                          f"rows and base, got {xm.dtype} {tuple(xm.shape)} strides {tuple(xm.stride())}")
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    return TensorDescriptor.from_tensor(xm, [block_m, KCHUNK], layout)  # type: _x_desc_type(block_m)
+    return TensorDescriptor.from_tensor(xm, [block_m, KCHUNK], _x_smem_layout())
 
 
 def _wgmma_consts(p: MMAPackedFP4) -> dict:
@@ -416,10 +414,16 @@ def _wgmma_consts(p: MMAPackedFP4) -> dict:
     return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx))
 
 
+def _x_smem_layout():
+    """The activation tile's shared layout: the 128-byte swizzle wgmma reads its B operand in."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
 def _x_desc_type(block_m: int) -> str:
     """The Triton signature type of ``_x_desc``'s descriptor (what the runtime would specialise)."""
-    return (f"tensordesc<bf16[{block_m}, {KCHUNK}],NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, "
-            "rank=2, transposed=False, fp4_padded=False, cga_layout=[])>")
+    return f"tensordesc<bf16[{block_m}, {KCHUNK}],{_x_smem_layout()!r}>"
 
 
 def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *, gemm: str = "linear",

@@ -19,10 +19,7 @@ retires all but the n newest groups.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import tempfile
 
 __all__ = ["count_hgmma", "sass_of_ptx", "wgmma_register_hazards"]
 
@@ -161,15 +158,7 @@ def count_hgmma(sass: str) -> int:
 
 
 def sass_of_ptx(ptx: str, cc: int = 90) -> str:
-    """The SASS of ``ptx`` assembled for ``sm_{cc}a`` by the ptxas and cuobjdump Triton ships."""
-    import triton
+    """The SASS of ``ptx`` for ``sm_{cc}a``, assembled as the cross-compile worker does."""
+    from .worker import _ptxas
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        src, obj = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(src, "w") as f:
-            f.write(ptx)
-        subprocess.run([os.path.join(bindir, "ptxas"), f"--gpu-name=sm_{cc}a", src, "-o", obj], check=True,
-                       capture_output=True)
-        return subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", obj], check=True, capture_output=True,
-                              text=True).stdout
+    return _ptxas(ptx, cc, sass=True)[3]

@@ -403,7 +403,80 @@ class LinearSpec(KernelSpec[LinearProblem, Any]):
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
 
-class MmaLinearSpec(KernelSpec[LinearProblem, Any]):
+class _PackedSpec:
+    """What the specs of the kernels on weights in MMA operand order (``ops.mma_layout``) share: bf16
+    W4A16 only, ``_limit`` for the problems the runtime sends them (``_check_problem_size``)."""
+
+    name: str
+
+    def check_problem(self, problem: Any) -> Any:
+        problem = super().check_problem(problem)  # type: ignore[misc]
+        if problem.mode != "w4a16" or problem.x_dtype != "bf16":
+            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.mode} with {problem.x_dtype}")
+        self._check_problem_size(problem)
+        return problem
+
+    def _check_problem_size(self, problem: Any) -> None:
+        pass
+
+
+class _MmaSpec(_PackedSpec):
+    """The mma.sync kernel (``kernels.linear_mma``): ``MMAConfig``, no shared memory, bf16 mma.sync."""
+
+    @property
+    def config_type(self) -> type:
+        from ..ops.mma_layout import MMAConfig
+
+        return MMAConfig
+
+    def variant(self, problem: Any, arch: Arch) -> str:
+        return "w4a16_mma"
+
+    def smem_model(self, config, problem: Any, arch: Arch) -> SmemBreakdown:
+        self.check_config(config)  # type: ignore[attr-defined]
+        return SmemBreakdown(())  # operands go from global memory straight to registers
+
+    def expected_mma(self, problem: Any, arch: Arch) -> MmaExpectation:
+        return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
+
+
+class _WgmmaSpec(_PackedSpec):
+    """The SM90 wgmma kernel (``kernels.gemm_wgmma``): ``WgmmaConfig``, its exact shared memory
+    (``wgmma_smem_terms``), bf16 wgmma; other architectures are refused with the reason."""
+
+    @property
+    def config_type(self) -> type:
+        from ..ops.mma_layout import WgmmaConfig
+
+        return WgmmaConfig
+
+    def variant(self, problem: Any, arch: Arch) -> str:
+        return "w4a16_wgmma"
+
+    def _check_arch(self, arch: Arch) -> None:
+        if arch.bf16_mma != "wgmma":
+            raise ValueError(f"{self.name}: needs wgmma (SM90); {arch.name} has {arch.bf16_mma} "
+                             "(its prefill runs the Triton kernels)")
+
+    def smem_model(self, config, problem: Any, arch: Arch) -> SmemBreakdown:
+        from ..ops.mma_layout import wgmma_smem_terms
+        from .smem import SmemTerm
+
+        self.check_config(config)  # type: ignore[attr-defined]
+        return SmemBreakdown(tuple(SmemTerm(name, each, count, source="allocate_shared_memory")
+                                   for name, each, count in wgmma_smem_terms(config)))
+
+    def expected_mma(self, problem: Any, arch: Arch) -> MmaExpectation:
+        return MmaExpectation("bf16 wgmma (A from registers)", (("wgmma.mma_async", ".bf16"),))
+
+
+def _uniform_tiles(problem: Any, block_m: int) -> tuple[int, int]:
+    """(active experts, row tiles of ``block_m``) of an MoE problem under uniform routing."""
+    experts = problem.active_experts
+    return experts, experts * _cdiv(-(-problem.pairs // experts), block_m)
+
+
+class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
     """``kernels.linear_mma.fp4_linear_mma_kernel`` (Gluon, mma.sync): W4A16 decode (M <= 16, bf16
     activations) on weights in MMA operand order, on every architecture from SM80 (what
     ``fp4_linear`` runs there). It uses no shared memory; what can go wrong on a new chip is
@@ -412,23 +485,11 @@ class MmaLinearSpec(KernelSpec[LinearProblem, Any]):
     name = "fp4_linear_mma"
     problem_type = LinearProblem
 
-    @property
-    def config_type(self) -> type:  # type: ignore[override]
-        from ..ops.mma_layout import MMAConfig
-
-        return MMAConfig
-
-    def check_problem(self, problem: Any) -> LinearProblem:
+    def _check_problem_size(self, problem: LinearProblem) -> None:
         from ..ops.mma_layout import MAX_M
 
-        problem = super().check_problem(problem)
-        if problem.mode != "w4a16" or problem.x_dtype != "bf16" or problem.M > MAX_M:
-            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations at M <= {MAX_M}, got {problem.mode} "
-                             f"with {problem.x_dtype} at M = {problem.M}")
-        return problem
-
-    def variant(self, problem: LinearProblem, arch: Arch) -> str:
-        return "w4a16_mma"
+        if problem.M > MAX_M:
+            raise ValueError(f"{self.name}: runs decode, M <= {MAX_M}, got M = {problem.M}")
 
     def candidates(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None) -> list:
         """8 or 16 tokens per program, one or two 16-row blocks per warp, 64 to 256 K per step (4
@@ -448,17 +509,10 @@ class MmaLinearSpec(KernelSpec[LinearProblem, Any]):
         self.check_problem(problem)
         return choose_mma_config(problem.M, problem.N, problem.K, sm_count or default_gpu(arch).sm_count)
 
-    def smem_model(self, config, problem: LinearProblem, arch: Arch) -> SmemBreakdown:
-        self.check_config(config)
-        return SmemBreakdown(())  # operands go from global memory straight to registers
-
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
 
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, has_bias=problem.has_bias)
-
-    def expected_mma(self, problem: LinearProblem, arch: Arch) -> MmaExpectation:
-        return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
 
     def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
@@ -487,7 +541,7 @@ class MmaLinearSpec(KernelSpec[LinearProblem, Any]):
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
 
-class WgmmaLinearSpec(KernelSpec[LinearProblem, Any]):
+class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
     """``kernels.gemm_wgmma.fp4_gemm_wgmma_kernel`` as the plain linear (W4A16, bf16 activations,
     SM90 only): weights decoded into wgmma's register operand, activations by TMA after one pass
     into MMA K order (``ops.mma_layout``). Its shared memory is exact (``wgmma_smem_terms``), and
@@ -495,27 +549,6 @@ class WgmmaLinearSpec(KernelSpec[LinearProblem, Any]):
 
     name = "fp4_linear_wgmma"
     problem_type = LinearProblem
-
-    @property
-    def config_type(self) -> type:  # type: ignore[override]
-        from ..ops.mma_layout import WgmmaConfig
-
-        return WgmmaConfig
-
-    def check_problem(self, problem: Any) -> LinearProblem:
-        problem = super().check_problem(problem)
-        if problem.mode != "w4a16" or problem.x_dtype != "bf16":
-            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.mode} with {problem.x_dtype}")
-        return problem
-
-    @staticmethod
-    def _check_arch(arch: Arch) -> None:
-        if arch.bf16_mma != "wgmma":
-            raise ValueError(f"fp4_linear_wgmma: needs wgmma (SM90); {arch.name} has {arch.bf16_mma} "
-                             "(its prefill runs fp4_linear)")
-
-    def variant(self, problem: LinearProblem, arch: Arch) -> str:
-        return "w4a16_wgmma"
 
     def candidates(self, problem: LinearProblem, arch: Arch) -> list:
         """64- and 128-row activation tiles, one or two warpgroups, rings of 3 to 6 stages."""
@@ -532,22 +565,11 @@ class WgmmaLinearSpec(KernelSpec[LinearProblem, Any]):
         self._check_arch(arch)
         return choose_wgmma_config(problem.M, problem.N, problem.K)
 
-    def smem_model(self, config, problem: LinearProblem, arch: Arch) -> SmemBreakdown:
-        from ..ops.mma_layout import wgmma_smem_terms
-        from .smem import SmemTerm
-
-        self.check_config(config)
-        return SmemBreakdown(tuple(SmemTerm(name, each, count, source="allocate_shared_memory")
-                                   for name, each, count in wgmma_smem_terms(config)))
-
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import wgmma_compile_request
 
         return wgmma_compile_request(config, problem.fmt, arch.sm_version, has_bias=problem.has_bias,
                                      wg_mode=1 if get_format(problem.fmt).has_global_scale else 0)
-
-    def expected_mma(self, problem: LinearProblem, arch: Arch) -> MmaExpectation:
-        return MmaExpectation("bf16 wgmma (A from registers)", (("wgmma.mma_async", ".bf16"),))
 
     def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
@@ -925,7 +947,7 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
 # ------------------------------------------------------------------------------------------
 # registry
 
-class MmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
+class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs at decode on the mma.sync kernel (``kernels.linear_mma``,
     GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert
     (``ops.moe.packed_layout_config``). Each GEMM writes fp32 partial sums that a Triton epilogue
@@ -934,23 +956,11 @@ class MmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
     name = "fp4_moe_mma"
     problem_type = MoEGemmProblem
 
-    @property
-    def config_type(self) -> type:  # type: ignore[override]
-        from ..ops.mma_layout import MMAConfig
-
-        return MMAConfig
-
-    def check_problem(self, problem: Any) -> MoEGemmProblem:
+    def _check_problem_size(self, problem: MoEGemmProblem) -> None:
         from ..ops.mma_layout import MAX_M
 
-        problem = super().check_problem(problem)
-        if problem.mode != "w4a16" or problem.x_dtype != "bf16" or problem.pairs / problem.E > MAX_M:
-            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations at <= {MAX_M} rows per expert, got "
-                             f"{problem.mode} with {problem.x_dtype} at {problem.pairs / problem.E:.1f}")
-        return problem
-
-    def variant(self, problem: MoEGemmProblem, arch: Arch) -> str:
-        return "w4a16_mma"
+        if problem.pairs / problem.E > MAX_M:
+            raise ValueError(f"{self.name}: runs decode, <= {MAX_M} rows per expert, got {problem.pairs / problem.E:.1f}")
 
     def candidates(self, problem: MoEGemmProblem, arch: Arch) -> list:
         from ..ops.mma_layout import MMAConfig
@@ -969,26 +979,17 @@ class MmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
             cfg = dataclasses.replace(cfg, block_m=problem.block_m)
         return cfg
 
-    def smem_model(self, config, problem: MoEGemmProblem, arch: Arch) -> SmemBreakdown:
-        self.check_config(config)
-        return SmemBreakdown(())
-
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
 
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
                                    gather=problem.gemm == 1)
 
-    def expected_mma(self, problem: MoEGemmProblem, arch: Arch) -> MmaExpectation:
-        return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
-
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
 
         bm = config.block_m
-        experts = problem.active_experts
-        per_expert = problem.pairs / experts
-        tiles = experts * _cdiv(int(per_expert + 0.999), bm)
+        experts, tiles = _uniform_tiles(problem, bm)
         w_rows = problem.weight_rows
         tiles_n = _cdiv(w_rows, config.block_n)
         programs = tiles * tiles_n
@@ -1012,7 +1013,7 @@ class MmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
                             notes=("fp32 partial sums and an epilogue kernel",))
 
 
-class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
+class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs on the SM90 wgmma kernel (``kernels.gemm_wgmma``, GROUPED):
     what the runtime runs for bf16 W4A16 layers with more than 16 rows per expert on SM90
     (``ops.moe.packed_layout_config``). GEMM 1 reads the gathered rows in MMA K order and applies
@@ -1022,22 +1023,9 @@ class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
     name = "fp4_moe_wgmma"
     problem_type = MoEGemmProblem
 
-    @property
-    def config_type(self) -> type:  # type: ignore[override]
-        from ..ops.mma_layout import WgmmaConfig
-
-        return WgmmaConfig
-
-    def check_problem(self, problem: Any) -> MoEGemmProblem:
-        problem = super().check_problem(problem)
-        if problem.mode != "w4a16" or problem.x_dtype != "bf16":
-            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.mode} with {problem.x_dtype}")
+    def _check_problem_size(self, problem: MoEGemmProblem) -> None:
         if problem.gemm == 1 and problem.N % 16:
             raise ValueError(f"{self.name}: GEMM 1 fuses SwiGLU for I a multiple of 16, got I = {problem.N}")
-        return problem
-
-    def variant(self, problem: MoEGemmProblem, arch: Arch) -> str:
-        return "w4a16_wgmma"
 
     def _block_ms(self, problem: MoEGemmProblem) -> tuple[int, ...]:
         if problem.block_m is not None:
@@ -1050,7 +1038,7 @@ class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
         from ..ops.mma_layout import WgmmaConfig
 
         self.check_problem(problem)
-        WgmmaLinearSpec._check_arch(arch)
+        self._check_arch(arch)
         return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in self._block_ms(problem) for w in (4, 8)
                 for s in (3, 4, 5, 6)]
 
@@ -1058,14 +1046,11 @@ class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
         from ..ops.moe import wgmma_moe_config
 
         self.check_problem(problem)
-        WgmmaLinearSpec._check_arch(arch)
+        self._check_arch(arch)
         cfg = wgmma_moe_config(problem.pairs / problem.E)
         if problem.block_m is not None and cfg.block_m != problem.block_m:
             cfg = dataclasses.replace(cfg, block_m=self._block_ms(problem)[0])
         return cfg
-
-    def smem_model(self, config, problem: MoEGemmProblem, arch: Arch) -> SmemBreakdown:
-        return WgmmaLinearSpec().smem_model(config, problem, arch)
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import wgmma_compile_request
@@ -1073,16 +1058,11 @@ class WgmmaMoESpec(KernelSpec[MoEGemmProblem, Any]):
         return wgmma_compile_request(config, problem.fmt, arch.sm_version, gemm=f"gemm{problem.gemm}",
                                      wg_mode=1 if get_format(problem.fmt).has_global_scale else 0)
 
-    def expected_mma(self, problem: MoEGemmProblem, arch: Arch) -> MmaExpectation:
-        return MmaExpectation("bf16 wgmma (A from registers)", (("wgmma.mma_async", ".bf16"),))
-
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
 
         bm, rows = config.block_m, 32 * config.warps  # weight rows per program
-        experts = problem.active_experts
-        per_expert = problem.pairs / experts
-        tiles = experts * _cdiv(int(per_expert + 0.999), bm)  # uniform routing
+        experts, tiles = _uniform_tiles(problem, bm)
         w_rows = problem.weight_rows
         tiles_n = _cdiv(w_rows, rows)
         programs = tiles * tiles_n

@@ -1,0 +1,59 @@
+"""Checks shared by the packed-kernel tests (test_mma_layout.py, test_gemm_wgmma.py): MoE layer
+variants, the MoE layer against its reference on a given kernel, and FP4Linear routing plus
+CUDA-graph capture on a given kernel."""
+
+import pytest
+import torch
+
+from fp4moe.formats import MXFP4, NVFP4
+
+FMTS = [NVFP4, MXFP4]
+
+
+def moe_variants(*cases):
+    """pytest params (fmt, activation, interleaved, per_row, bias) of ``cases`` x both formats,
+    without MXFP4 + per-row globals (MXFP4 has no global scales)."""
+    return [pytest.param(fmt, *case, id=f"{fmt}-{'-'.join(map(str, case))}") for fmt in FMTS for case in cases
+            if not (fmt is MXFP4 and case[2])]
+
+
+def check_moe_layer(kernel: str, fmt, activation, interleaved, per_row, bias, T, E, k, H, I, *, device="cuda"):
+    """fp4_moe_experts on ``kernel`` (the guard saw it) matches the reference within 2e-2, skips
+    dropped slots, and is bitwise deterministic."""
+    from fp4moe import guard
+    from fp4moe.ops.moe import fp4_moe_experts, fp4_moe_reference, random_moe_problem
+
+    p = random_moe_problem(T, E, k, H, I, fmt.name, device=device, seed=T, per_row=per_row, bias=bias,
+                           dropped=(0, k - 1))
+    kw = dict(activation=activation, interleaved=interleaved, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
+    y = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw)
+    assert any(key.kernel.startswith(kernel) for key in guard._checked)
+    ref = fp4_moe_reference(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2, err
+    assert torch.equal(fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw), y)
+
+
+def check_fp4linear_graph(kernel: str, x_shape: tuple[int, ...]):
+    """FP4Linear(2048 -> 1024, bias) in bf16 on the GPU runs ``kernel`` for x of ``x_shape`` (the
+    guard saw it), matches the reference within 1e-2, and replays identically in a CUDA graph."""
+    from fp4moe import guard
+    from fp4moe.nn import FP4Linear
+    from fp4moe.ops.linear import fp4_linear_reference
+
+    torch.manual_seed(0)
+    m = FP4Linear.from_linear(torch.nn.Linear(2048, 1024, bias=True), "nvfp4").cuda()
+    assert getattr(m.weight, "_fp4moe_mma", None) is not None  # packed when moved to the GPU
+    m = m.to(torch.bfloat16)
+    x = torch.randn(*x_shape, device="cuda", dtype=torch.bfloat16)
+    ref = fp4_linear_reference(x, m.weight_fp4, m.bias).float()
+    y = m(x)
+    assert any(k.kernel.startswith(kernel) for k in guard._checked)
+    assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2
+    g = torch.cuda.CUDAGraph()
+    static = x.clone()
+    with torch.cuda.graph(g):
+        out = m(static)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y)
