@@ -22,8 +22,22 @@ def test_config_validation_and_choice():
         WgmmaConfig(stages=2)
     with pytest.raises(ValueError, match="warps"):
         WgmmaConfig(warps=2)
-    assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=128, stages=4, group_m=8, warps=4)
-    assert choose_wgmma_config(WGMMA_MIN_M, 4096, 6144).block_m == 64  # fewer padded rows below 128
+    with pytest.raises(ValueError, match="repeats"):
+        WgmmaConfig(repeats=3)
+    with pytest.raises(ValueError, match="accumulator registers"):
+        WgmmaConfig(block_m=256)  # two repeats x 256 columns: 256 fp32 registers per thread
+    wide = WgmmaConfig(block_m=256, warps=8, repeats=1)
+    assert (wide.block_n, str(wide)) == (128, "wgmma_n128_m256_s4_g8_r1")
+    assert WgmmaConfig().block_n == 128 and WgmmaConfig(warps=8).block_n == 256
+    wide = dict(stages=4, group_m=8, warps=8, repeats=1)
+    assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=256, **wide)
+    # the fewest waves x rows, on 132 SMs (what the H200 sweep measured fastest at each point)
+    assert choose_wgmma_config(WGMMA_MIN_M, 4096, 6144).block_m == 64  # one wave either way: fewest rows
+    assert choose_wgmma_config(256, 6144, 12288).block_m == 128  # 96 programs: one wave of 128 rows
+    assert choose_wgmma_config(512, 12288, 6144).block_m == 128  # 3 waves x 128 < 2 waves x 256
+    assert choose_wgmma_config(1024, 12288, 6144).block_m == 256  # 6 x 128 = 3 x 256: the taller tile
+    assert choose_wgmma_config(1024, 6144, 2048).block_m == 128
+    assert choose_wgmma_config(1024, 6144, 2048, sm_count=200).block_m == 256  # fewer SMs, other waves
     assert WGMMA_MIN_M > 16  # decode sizes stay on the mma.sync kernel
 
 
@@ -97,6 +111,9 @@ def test_wgmma_launchers_check_their_buffers():
         launch_grouped_wgmma(prob.x, p13, 192, plan, torch.zeros(R, 128), cfg, gather=True, out_mma_order=True)
     with pytest.raises(ValueError, match="not gathered again"):
         launch_grouped_wgmma(prob.x, p13, 192, plan, h_short, cfg, gather=True, x_mma_order=True, swiglu=1)
+    with pytest.raises(ValueError, match="needs repeats=2"):
+        launch_grouped_wgmma(prob.x, p13, 192, plan, h_short, WgmmaConfig(block_m=64, repeats=1), gather=True,
+                             out_mma_order=True, swiglu=1)
 
 
 def test_mma_order_is_the_pack_order():
@@ -128,16 +145,16 @@ from fp4moe.plan.crosscompile import mma_instructions
 from fp4moe.plan.sass import count_hgmma, sass_of_ptx, wgmma_register_hazards
 out = []
 fn = G.fp4_gemm_wgmma_kernel
-for gemm, warps, bm, stages, fmt, bias in json.loads(sys.argv[1]):
-    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps), fmt, 90, gemm=gemm,
-                                has_bias=bias)
+for gemm, warps, bm, stages, fmt, bias, repeats in json.loads(sys.argv[1]):
+    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats), fmt, 90,
+                                gemm=gemm, has_bias=bias)
     sig = dict(req.signature, **{k: "constexpr" for k in req.constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=req.constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
     sass = sass_of_ptx(ptx, 90)
-    out.append({"case": [gemm, warps, bm, stages, fmt, bias], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
                 "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
@@ -173,12 +190,14 @@ def test_wgmma_register_hazard_check():
 
 # the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and
 # the rest of the shape space (two warpgroups, 3- and 6-deep rings, MXFP4), compiled as launched
-WGMMA_CASES = [("linear", 4, 128, 4, "nvfp4", True), ("linear", 4, 64, 4, "nvfp4", False),
-               ("linear", 4, 64, 3, "mxfp4", True), ("linear", 8, 128, 6, "nvfp4", True),
-               ("linear", 8, 128, 4, "mxfp4", False), ("gemm1", 4, 64, 4, "nvfp4", False),
-               ("gemm1", 4, 128, 4, "mxfp4", True), ("gemm1", 8, 128, 4, "nvfp4", True),
-               ("gemm2", 4, 128, 4, "nvfp4", False), ("gemm2", 4, 64, 4, "mxfp4", True),
-               ("gemm2", 4, 128, 3, "nvfp4", True)]
+# (gemm, warps, block_m, stages, fmt, bias, repeats)
+WGMMA_CASES = [("linear", 4, 128, 4, "nvfp4", True, 2), ("linear", 4, 64, 4, "nvfp4", False, 2),
+               ("linear", 4, 64, 3, "mxfp4", True, 2), ("linear", 8, 128, 6, "nvfp4", True, 2),
+               ("linear", 8, 128, 4, "mxfp4", False, 2), ("linear", 8, 256, 4, "nvfp4", True, 1),
+               ("linear", 4, 256, 3, "mxfp4", False, 1), ("gemm1", 4, 64, 4, "nvfp4", False, 2),
+               ("gemm1", 4, 128, 4, "mxfp4", True, 2), ("gemm1", 8, 128, 4, "nvfp4", True, 2),
+               ("gemm2", 4, 128, 4, "nvfp4", False, 2), ("gemm2", 4, 64, 4, "mxfp4", True, 2),
+               ("gemm2", 4, 128, 3, "nvfp4", True, 2), ("gemm2", 8, 128, 4, "nvfp4", False, 1)]
 
 
 def test_cross_compiles_for_sm90():
@@ -198,9 +217,9 @@ def test_cross_compiles_for_sm90():
     results = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(results) == len(WGMMA_CASES)
     for r in results:
-        gemm, warps, bm, stages, fmt, bias = r["case"]
-        model = sum(each * count for _, each, count in wgmma_smem_terms(WgmmaConfig(block_m=bm, stages=stages,
-                                                                                     warps=warps)))
+        gemm, warps, bm, stages, fmt, bias, repeats = r["case"]
+        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats)
+        model = sum(each * count for _, each, count in wgmma_smem_terms(cfg))
         assert r["shared"] == model and r["shared"] <= limit, r
         assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
         assert r["decode"] > 0 and r["cp_async"] > 0 and r["tma"] > 0 and r["mbarrier_wait"] > 0, r
@@ -239,7 +258,8 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
     p = pack_mma(w)
     ref = fp4_linear_reference(x, w, bias).float()
-    for cfg in (WgmmaConfig(), WgmmaConfig(block_m=64, stages=3), WgmmaConfig(stages=6, group_m=2, warps=8)):
+    for cfg in (WgmmaConfig(), WgmmaConfig(block_m=64, stages=3), WgmmaConfig(stages=6, group_m=2, warps=8),
+                WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=4, repeats=1, stages=3)):
         y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch_linear_wgmma(x, p, bias, y, cfg)
         err = (y.float() - ref).abs().max() / ref.abs().max()

@@ -26,8 +26,9 @@ change lets them collide again, ptxas serialises (it injected a full wait in the
 build, ptxas info C7517) rather than corrupting. ``fp4moe.plan.sass.wgmma_register_hazards``
 checks the SASS of the configurations the tests and the planner compile.
 
-One program: 32 WARPS weight rows (WARPS = 4 or 8 warps x 16 rows, twice: one or two
-warpgroups) x BLOCK_M rows of activations. Epilogue (``kernels.moe._moe_epilogue``):
+One program: 16 REPEATS WARPS weight rows (WARPS = 4 or 8 warps, one or two warpgroups, x 16 rows,
+REPEATS = 1 or 2 times) x BLOCK_M rows of activations. With REPEATS = 1 a 256-row activation tile
+fits the same 128 accumulator registers, and each decoded weight feeds twice as many MMA columns. Epilogue (``kernels.moe._moe_epilogue``):
   plain linear: ``y[m, n] = acc * FOLD * global + bias`` (no MoE arguments);
   GROUPED (MoE, program axis over an ``ops.dispatch`` plan's tiles of one expert each):
     SWIGLU > 0 (GEMM 1): the rows are 16 WARPS gate rows then the matching up rows, so every
@@ -66,13 +67,14 @@ def mma_pair(s):
 
 
 @gluon.jit
-def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, SWIGLU: gl.constexpr):
-    """Weight 16-row block of tile row block ``rb`` (0 .. 2 WARPS - 1; warp w holds w and WARPS + w):
-    GEMM 1 reads WARPS gate blocks then the matching up blocks I_RB further; otherwise 2 WARPS
-    consecutive blocks (clamped to the last one: rows past N are read, never stored)."""
+def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, NB: gl.constexpr, SWIGLU: gl.constexpr):
+    """Weight 16-row block of tile row block ``rb`` (0 .. NB - 1; warp w holds w, and WARPS + w when
+    NB = 2 WARPS): GEMM 1 (NB = 2 WARPS) reads WARPS gate blocks then the matching up blocks I_RB
+    further; otherwise NB consecutive blocks (clamped to the last one: rows past N are read, never
+    stored)."""
     if SWIGLU > 0:
         return gl.minimum(pid_n * WARPS + rb % WARPS, I_RB - 1) + (rb // WARPS) * I_RB
-    return gl.minimum(pid_n * 2 * WARPS + rb, N_RB - 1)
+    return gl.minimum(pid_n * NB + rb, N_RB - 1)
 
 
 @gluon.jit
@@ -114,8 +116,9 @@ def fp4_gemm_wgmma_kernel(
     row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row
     M, N, K,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
     stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
-    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64 or 128
-    WARPS: gl.constexpr,  # 4 (one warpgroup: 128 weight rows per program) or 8 (two: 256)
+    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64, 128 or 256 (REPEATS = 1)
+    WARPS: gl.constexpr,  # 4 (one warpgroup) or 8 (two)
+    REPEATS: gl.constexpr,  # 16-row weight blocks per warp: 2 (32 WARPS weight rows; GEMM 1 needs it) or 1
     STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 2 load while c computes)
     MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     SWIGLU: gl.constexpr,  # 0 none, 1 silu(g) * u, 2 gpt-oss clamped variant (ALPHA, LIMIT)
@@ -125,7 +128,8 @@ def fp4_gemm_wgmma_kernel(
     FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
     GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
 ):
-    NB: gl.constexpr = 2 * WARPS  # 16-row blocks per program (two register repeats)
+    NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
+    gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
     BLOCK_N: gl.constexpr = 16 * NB
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -166,12 +170,12 @@ def fp4_gemm_wgmma_kernel(
     i_rb = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_layout))))
     i_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, w_layout))))
     i_kl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w_layout))))
-    rb = rb_e + _row_block(pid_n, i_rb, NRB, NRB // 2, WARPS, SWIGLU)
+    rb = rb_e + _row_block(pid_n, i_rb, NRB, NRB // 2, WARPS, NB, SWIGLU)
     w_ptrs = wq_ptr + (gl.expand_dims(gl.expand_dims(gl.expand_dims(rb.to(gl.int64) * KC, 1), 2), 3) * 128
                        + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_lane * 4, 0), 1), 3)
                        + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_kl, 0), 1), 2))
     s_rb = rb_e + _row_block(pid_n, gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))),
-                             NRB, NRB // 2, WARPS, SWIGLU)
+                             NRB, NRB // 2, WARPS, NB, SWIGLU)
     s_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
     if MXFP4:  # one pair per 32 K: [.., K/64, 8, 2]
         S_STEP: gl.constexpr = 16

@@ -315,7 +315,7 @@ def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_coun
     if M <= MAX_M:
         return choose_mma_config(M, N, K, sm_count or 132)
     if M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma":
-        return choose_wgmma_config(M, N, K)
+        return choose_wgmma_config(M, N, K, sm_count or 132)
     return None
 
 

@@ -312,28 +312,43 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    """Launch parameters of ``fp4_gemm_wgmma_kernel``: ``warps`` 4 or 8 (one or two warpgroups,
-    32 * warps weight rows per program), ``block_m`` activation rows per program (the wgmma N
-    side), ``stages`` activation ring depth, ``group_m`` activation tiles per raster group (plain
-    linear only)."""
+    """Launch parameters of ``fp4_gemm_wgmma_kernel``: ``warps`` 4 or 8 (one or two warpgroups),
+    ``repeats`` 16-row weight blocks per warp (2: 32 * warps weight rows per program, the gate and
+    up halves of MoE GEMM 1 in one thread; 1: 16 * warps rows, so that a 256-row activation tile
+    still fits the registers), ``block_m`` activation rows per program (the wgmma N side; the
+    accumulator holds repeats * block_m / 2 fp32 registers per thread, at most 128), ``stages``
+    activation ring depth, ``group_m`` activation tiles per raster group (plain linear only)."""
 
     block_m: int = 128
     stages: int = 4
     group_m: int = 8
     warps: int = 4
+    repeats: int = 2
 
     def __post_init__(self) -> None:
-        if self.block_m not in (64, 128):
-            raise ValueError(f"WgmmaConfig.block_m: expected 64 or 128, got {self.block_m}")
+        if self.block_m not in (64, 128, 256):
+            raise ValueError(f"WgmmaConfig.block_m: expected 64, 128 or 256, got {self.block_m}")
         if not 3 <= self.stages <= 8:
             raise ValueError(f"WgmmaConfig.stages: expected 3..8, got {self.stages}")
         if self.warps not in (4, 8):
             raise ValueError(f"WgmmaConfig.warps: expected 4 or 8, got {self.warps}")
         if not 1 <= self.group_m <= 64:
             raise ValueError(f"WgmmaConfig.group_m: expected 1..64, got {self.group_m}")
+        if self.repeats not in (1, 2):
+            raise ValueError(f"WgmmaConfig.repeats: expected 1 or 2, got {self.repeats}")
+        if self.repeats * self.block_m > 256:
+            raise ValueError(f"WgmmaConfig: block_m {self.block_m} with repeats {self.repeats} needs "
+                             f"{self.repeats * self.block_m // 2} accumulator registers per thread (at most 128); "
+                             "use repeats=1 for 256-row tiles")
+
+    @property
+    def block_n(self) -> int:
+        """Weight rows per program."""
+        return 16 * self.repeats * self.warps
 
     def __str__(self) -> str:
-        return f"wgmma_n{32 * self.warps}_m{self.block_m}_s{self.stages}_g{self.group_m}"
+        tail = "" if self.repeats == 2 else f"_r{self.repeats}"
+        return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
 
 
 #: the smallest batch the plain linear runs on the wgmma kernel (SM90); below it the Triton kernel.
@@ -344,12 +359,28 @@ class WgmmaConfig:
 WGMMA_MIN_M = 96
 
 
-def choose_wgmma_config(M: int, N: int, K: int) -> WgmmaConfig:
-    """From the H200 sweep (scripts/try_wgmma.py, GLM-5 shapes, M = 4096, TMA version): one
-    warpgroup (128 weight rows per program, two programs per SM) on every shape (two warpgroups
-    were 4-15% slower), 128 activation rows (64 below M = 128: at M = 96 they were 10% faster on
-    12288x6144 and 15% on 4096x6144), a 4-deep ring (6 was 30% slower at M = 4096)."""
-    return WgmmaConfig(block_m=64 if M < 128 else 128, stages=4, group_m=8, warps=4)
+#: relative time of one program by activation tile height (two warpgroups of one repeat, H200,
+#: scripts/sweep_wgmma_tiles.py): a 128-row tile costs 0.56 of a 256-row one (12288x6144, M = 4096:
+#: 1,087 vs 964 us for the same rows), a 64-row tile 0.65 of a 128-row one (M = 1024: 325 vs 251)
+_WGMMA_TILE_COST = {256: 100, 128: 56, 64: 36}
+
+
+def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaConfig:
+    """Two warpgroups of 64 weight rows each (128 per program, one register repeat) and the
+    activation tile height, of 64, 128 or 256 rows, with the least waves x tile cost: the
+    programs' count over the SMs, rounded up, times the program's relative time
+    (``_WGMMA_TILE_COST``; taller tiles decode each weight once for more rows). On the H200 this
+    picks the fastest of the measured heights, or one within 1%, at all 48 (shape, M) points of the
+    GLM-5 sweep, M = 96..16384 (``benchmarks/raw/sweep-wgmma-tiles*-h200.json``); against the earlier single warpgroup of two
+    repeats and 128-row tiles it is 9-15% faster at M = 4096 (12288x6144: 1,054 -> 964 us)."""
+    tiles_n = -(-N // 128)
+
+    def cost(bm: int) -> tuple[int, int]:
+        waves = -(-(-(-M // bm) * tiles_n) // max(sm_count, 1))
+        return waves * _WGMMA_TILE_COST[bm], -bm
+
+    block_m = min(_WGMMA_TILE_COST, key=cost)
+    return WgmmaConfig(block_m=block_m, stages=4, group_m=8, warps=8, repeats=1)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
@@ -446,7 +477,8 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                  "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
                  "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32",
                  "n_tiles_m": "i32"}
-    constexprs = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, MXFP4=mx, WG_MODE=wg_mode,
+    constexprs = dict(BLOCK_M=config.block_m, WARPS=config.warps, REPEATS=config.repeats, STAGES=config.stages,
+                      MXFP4=mx, WG_MODE=wg_mode,
                       HAS_BIAS=has_bias, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
                       OUT_MMA_ORDER=gemm == "gemm1", FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
@@ -460,7 +492,7 @@ def wgmma_smem_terms(config: WgmmaConfig) -> list[tuple[str, int, int]]:
     """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring (TMA
     tiles), the weight-word ring (each thread's cp.async words) and one mbarrier per stage. The
     epilogue works from registers. Checked against compiled kernels in the tests."""
-    nb = 2 * config.warps  # 16-row weight blocks per program
+    nb = config.repeats * config.warps  # 16-row weight blocks per program
     return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
             ("weight words", nb * 32 * 4 * 4, config.stages),
             ("mbarrier", 8, config.stages)]
@@ -481,13 +513,14 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
-    fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, 32 * config.warps),)](
+    fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, config.block_n),)](
         p.words, p.scales.view(torch.int16), x_desc, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, unused, unused, unused, unused, unused,
         M, N, k_stored, out.stride(0), 0, 0, tiles_m,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
         HAS_BIAS=bias is not None, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, GROUPED=False, SCATTER=False,
-        HAS_RW=False, OUT_MMA_ORDER=False, GROUP_M=config.group_m, WARPS=config.warps, num_warps=config.warps,
+        HAS_RW=False, OUT_MMA_ORDER=False, GROUP_M=config.group_m, WARPS=config.warps, REPEATS=config.repeats,
+        num_warps=config.warps,
         **_wgmma_consts(p))
     return out
 
@@ -517,6 +550,9 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
 
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if swiglu and config.repeats != 2:
+        raise ValueError(f"config: GEMM 1 with the fused activation needs repeats=2 (a thread holds a gate row "
+                         f"and its up row), got {config}")
     if p.global_scale is not None:
         raise ValueError("p: grouped weights are packed without global scales")
     if swiglu and not fuses_activation(n_per_expert):
@@ -543,7 +579,7 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         return out
     wg, wg_mode = globals_
     unused = plan.sorted_pair
-    fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, 16 * config.warps * (1 if swiglu else 2)),)](
+    fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, config.block_n // 2 if swiglu else config.block_n),)](
         p.words, p.scales.view(torch.int16), _x_desc(xm, config.block_m), wg if wg is not None else unused,
         bias if bias is not None else unused, out, plan.tile_expert, plan.tile_start, plan.tile_end,
         plan.sorted_pair if scatter else unused, row_weight if row_weight is not None else unused,
@@ -551,5 +587,6 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0, plan.max_tiles,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
-        OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, num_warps=config.warps, **_wgmma_consts(p))
+        OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, num_warps=config.warps,
+        **_wgmma_consts(p))
     return out

@@ -551,19 +551,21 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
     problem_type = LinearProblem
 
     def candidates(self, problem: LinearProblem, arch: Arch) -> list:
-        """64- and 128-row activation tiles, one or two warpgroups, rings of 3 to 6 stages."""
+        """64- and 128-row activation tiles with one or two warpgroups of two register repeats, and
+        64- to 256-row tiles with two warpgroups of one repeat; rings of 3 to 6 stages."""
         from ..ops.mma_layout import WgmmaConfig
 
         self.check_problem(problem)
         self._check_arch(arch)
-        return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8) for s in (3, 4, 5, 6)]
+        return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8) for s in (3, 4, 5, 6)] \
+            + [WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1) for m in (64, 128, 256) for s in (3, 4, 5, 6)]
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
         from ..ops.mma_layout import choose_wgmma_config
 
         self.check_problem(problem)
         self._check_arch(arch)
-        return choose_wgmma_config(problem.M, problem.N, problem.K)
+        return choose_wgmma_config(problem.M, problem.N, problem.K, sm_count or 132)
 
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import wgmma_compile_request
@@ -575,7 +577,7 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
         from ..bench.roofline import fp4_weight_bytes
 
         M, N, K = problem.M, problem.N, problem.K
-        bn, bm = 32 * config.warps, config.block_m
+        bn, bm = config.block_n, config.block_m
         tiles_m, tiles_n = _cdiv(M, bm), _cdiv(N, bn)
         w_once = fp4_weight_bytes(N, K, problem.fmt)
         x_once, y_once = M * K * 2, M * N * 2
@@ -1061,7 +1063,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
 
-        bm, rows = config.block_m, 32 * config.warps  # weight rows per program
+        bm, rows = config.block_m, config.block_n  # weight rows per program
         experts, tiles = _uniform_tiles(problem, bm)
         w_rows = problem.weight_rows
         tiles_n = _cdiv(w_rows, rows)
