@@ -213,7 +213,8 @@ def test_config_pins_give_the_same_bits(device):
 
 def test_heuristic():
     big = QuantizeConfig.from_heuristic(16384, 6144)
-    assert big == QuantizeConfig(block_m=4, block_k=512, num_warps=2)
+    assert big == QuantizeConfig(block_m=1, block_k=2048, num_warps=2)
+    assert QuantizeConfig.from_heuristic(64, 512) == QuantizeConfig(block_m=4, block_k=512, num_warps=2)
     assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=32, num_warps=1)
     assert QuantizeConfig.from_heuristic(3, 48).block_k == 64
     with pytest.raises(AttributeError):

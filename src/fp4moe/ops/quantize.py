@@ -58,12 +58,13 @@ class QuantizeConfig:
 
     @classmethod
     def from_heuristic(cls, M: int, K: int) -> QuantizeConfig:
-        """Small tiles of up to 2048 elements, at most 512 columns wide, 32 elements per thread
-        (64 threads for [4, 512]; about 70 registers on SM90): on an H200, bf16 [16384, 6144]
-        with a given scale ran 81.3 us at [4, 512] x 2 warps, 86.0 at [8, 512] x 4, 98.6 at
-        [16, 512] x 8 and 108.8-181 us with 64 elements per thread (register-limited occupancy;
-        ``scripts/sweep_quantize.py``, benchmarks/raw/sweep-quantize-h200.json)."""
-        block_k = min(512, triton.next_power_of_2(max(K, _CHUNK)))
+        """Tiles of up to 2048 elements, as wide as the row allows (at most 2048 columns), 32
+        elements per thread (64 threads; about 70 registers on SM90). H200, bf16 [16384, 6144] with
+        a given scale, one run (``scripts/sweep_quantize.py``, benchmarks/raw/sweep-quantize-tiles-h200.json):
+        [1, 2048] x 2 warps 81.6 us, [1, 1024] x 1 82.1, [2, 512] x 1 85.5, [4, 512] x 2 86.9,
+        [8, 512] x 4 91.8, [16, 512] x 8 102.5; 64 elements per thread 95.5 (register-limited
+        occupancy), 16 per thread 140 (half the lanes idle)."""
+        block_k = min(2048, triton.next_power_of_2(max(K, _CHUNK)))
         block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 2048 // block_k))
         num_warps = max(1, min(8, block_m * block_k // 1024))
         return cls(block_m=block_m, block_k=block_k, num_warps=num_warps)
