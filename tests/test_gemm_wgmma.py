@@ -303,3 +303,40 @@ def test_linear_routing_per_architecture():
     assert packed_config("w4a16", sm120, 4096, 4096, 4096) is None
     assert packed_config("w4a4_emulated", sm90, 4096, 4096, 4096) is None
     assert packed_config("w4a16", None, 4, 4096, 4096) is None
+
+
+def test_split_tail_tiles_cover_every_row_once():
+    """The two launches of MoE prefill (``ops.moe.split_tail_tiles``): every routed row is in exactly
+    one enabled tile of its expert; the second plan holds exactly the experts' last tiles of at most
+    64 rows, first, with block_m 64; tiles the first plan keeps have more than 64 rows or are not last."""
+    from fp4moe.ops.dispatch import dispatch
+    from fp4moe.ops.moe import split_tail_tiles
+
+    torch.manual_seed(3)
+    E, k = 12, 4
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(300)]).to(torch.int32)
+    ids[:110, 0] = 5  # ~190 rows: a 128-row tile and a tail of at most 64
+    ids[110:, 0] = 7  # ~270 rows: a tail of more than 64 stays a 128-row tile
+    ids[0, 1] = -1  # a dropped slot
+    plan = dispatch(ids, E, 128)
+    rest, tails = split_tail_tiles(plan, 64)
+    assert tails.block_m == 64 and tails.max_tiles == E and rest.block_m == 128
+    offs = plan.expert_offsets.tolist()
+    cover = torch.zeros(plan.sorted_pair.shape[0], dtype=torch.int32)
+    n_tails = 0
+    for p in (rest, tails):
+        for e, a, b in zip(p.tile_expert.tolist(), p.tile_start.tolist(), p.tile_end.tolist()):
+            if e < 0:
+                continue
+            assert offs[e] <= a < b <= offs[e + 1]
+            cover[a:b] += 1
+            if p is tails:
+                assert b - a <= 64 and b == offs[e + 1]
+                n_tails += 1
+            else:
+                assert b - a > 64 or b < offs[e + 1]
+    assert torch.equal(cover[:offs[E]], torch.ones(offs[E], dtype=torch.int32))
+    assert n_tails == int(tails.n_tiles.item()) > 0
+    assert any(b - a > 64 and b == offs[e + 1] for e, a, b in zip(rest.tile_expert.tolist(), rest.tile_start.tolist(),
+                                                                rest.tile_end.tolist()) if e >= 0)
+    assert (tails.tile_expert[:n_tails] >= 0).all() and (tails.tile_expert[n_tails:] < 0).all()  # tails first
