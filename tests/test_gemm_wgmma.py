@@ -29,6 +29,10 @@ def test_config_validation_and_choice():
     wide = WgmmaConfig(block_m=256, warps=8, repeats=1)
     assert (wide.block_n, str(wide)) == (128, "wgmma_n128_m256_s4_g8_r1")
     assert WgmmaConfig().block_n == 128 and WgmmaConfig(warps=8).block_n == 256
+    assert str(WgmmaConfig(tail_m=64)) == "wgmma_n128_m128_s4_g8_t64"
+    for bad in (32, 128):  # not a tile height, or not below block_m
+        with pytest.raises(ValueError, match="tail_m"):
+            WgmmaConfig(tail_m=bad)
     wide = dict(stages=4, group_m=8, warps=8, repeats=1)
     assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=256, **wide)
     # the fewest waves x rows, on 132 SMs (what the H200 sweep measured fastest at each point)
@@ -47,7 +51,7 @@ def test_moe_config_choice():
 
     assert isinstance(mma_moe_config(3.0), MMAConfig)
     assert wgmma_moe_config(32.0).block_m == 64
-    assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4)
+    assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)
 
 
 def test_activation_pairs_checks():
@@ -145,16 +149,16 @@ from fp4moe.plan.crosscompile import mma_instructions
 from fp4moe.plan.sass import count_hgmma, sass_of_ptx, wgmma_register_hazards
 out = []
 fn = G.fp4_gemm_wgmma_kernel
-for gemm, warps, bm, stages, fmt, bias, repeats in json.loads(sys.argv[1]):
-    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats), fmt, 90,
-                                gemm=gemm, has_bias=bias)
+for gemm, warps, bm, stages, fmt, bias, repeats, tail in json.loads(sys.argv[1]):
+    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail), fmt,
+                                90, gemm=gemm, has_bias=bias)
     sig = dict(req.signature, **{k: "constexpr" for k in req.constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=req.constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
     sass = sass_of_ptx(ptx, 90)
-    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
                 "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
@@ -190,14 +194,15 @@ def test_wgmma_register_hazard_check():
 
 # the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and
 # the rest of the shape space (two warpgroups, 3- and 6-deep rings, MXFP4), compiled as launched
-# (gemm, warps, block_m, stages, fmt, bias, repeats)
-WGMMA_CASES = [("linear", 4, 128, 4, "nvfp4", True, 2), ("linear", 4, 64, 4, "nvfp4", False, 2),
-               ("linear", 4, 64, 3, "mxfp4", True, 2), ("linear", 8, 128, 6, "nvfp4", True, 2),
-               ("linear", 8, 128, 4, "mxfp4", False, 2), ("linear", 8, 256, 4, "nvfp4", True, 1),
-               ("linear", 4, 256, 3, "mxfp4", False, 1), ("gemm1", 4, 64, 4, "nvfp4", False, 2),
-               ("gemm1", 4, 128, 4, "mxfp4", True, 2), ("gemm1", 8, 128, 4, "nvfp4", True, 2),
-               ("gemm2", 4, 128, 4, "nvfp4", False, 2), ("gemm2", 4, 64, 4, "mxfp4", True, 2),
-               ("gemm2", 4, 128, 3, "nvfp4", True, 2), ("gemm2", 8, 128, 4, "nvfp4", False, 1)]
+# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m)
+WGMMA_CASES = [("linear", 4, 128, 4, "nvfp4", True, 2, 0), ("linear", 4, 64, 4, "nvfp4", False, 2, 0),
+               ("linear", 4, 64, 3, "mxfp4", True, 2, 0), ("linear", 8, 128, 6, "nvfp4", True, 2, 0),
+               ("linear", 8, 128, 4, "mxfp4", False, 2, 0), ("linear", 8, 256, 4, "nvfp4", True, 1, 0),
+               ("linear", 4, 256, 3, "mxfp4", False, 1, 0), ("gemm1", 4, 64, 4, "nvfp4", False, 2, 0),
+               ("gemm1", 4, 128, 4, "mxfp4", True, 2, 64), ("gemm1", 8, 128, 4, "nvfp4", True, 2, 0),
+               ("gemm1", 4, 128, 4, "nvfp4", False, 2, 64), ("gemm2", 4, 128, 4, "nvfp4", False, 2, 64),
+               ("gemm2", 4, 64, 4, "mxfp4", True, 2, 0), ("gemm2", 4, 128, 3, "nvfp4", True, 2, 0),
+               ("gemm2", 8, 128, 4, "nvfp4", False, 1, 0), ("gemm2", 8, 256, 4, "mxfp4", False, 1, 128)]
 
 
 def test_cross_compiles_for_sm90():
@@ -217,8 +222,8 @@ def test_cross_compiles_for_sm90():
     results = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(results) == len(WGMMA_CASES)
     for r in results:
-        gemm, warps, bm, stages, fmt, bias, repeats = r["case"]
-        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats)
+        gemm, warps, bm, stages, fmt, bias, repeats, tail = r["case"]
+        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail)
         model = sum(each * count for _, each, count in wgmma_smem_terms(cfg))
         assert r["shared"] == model and r["shared"] <= limit, r
         assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
@@ -304,39 +309,3 @@ def test_linear_routing_per_architecture():
     assert packed_config("w4a4_emulated", sm90, 4096, 4096, 4096) is None
     assert packed_config("w4a16", None, 4, 4096, 4096) is None
 
-
-def test_split_tail_tiles_cover_every_row_once():
-    """The two launches of MoE prefill (``ops.moe.split_tail_tiles``): every routed row is in exactly
-    one enabled tile of its expert; the second plan holds exactly the experts' last tiles of at most
-    64 rows, first, with block_m 64; tiles the first plan keeps have more than 64 rows or are not last."""
-    from fp4moe.ops.dispatch import dispatch
-    from fp4moe.ops.moe import split_tail_tiles
-
-    torch.manual_seed(3)
-    E, k = 12, 4
-    ids = torch.stack([torch.randperm(E)[:k] for _ in range(300)]).to(torch.int32)
-    ids[:110, 0] = 5  # ~190 rows: a 128-row tile and a tail of at most 64
-    ids[110:, 0] = 7  # ~270 rows: a tail of more than 64 stays a 128-row tile
-    ids[0, 1] = -1  # a dropped slot
-    plan = dispatch(ids, E, 128)
-    rest, tails = split_tail_tiles(plan, 64)
-    assert tails.block_m == 64 and tails.max_tiles == E and rest.block_m == 128
-    offs = plan.expert_offsets.tolist()
-    cover = torch.zeros(plan.sorted_pair.shape[0], dtype=torch.int32)
-    n_tails = 0
-    for p in (rest, tails):
-        for e, a, b in zip(p.tile_expert.tolist(), p.tile_start.tolist(), p.tile_end.tolist()):
-            if e < 0:
-                continue
-            assert offs[e] <= a < b <= offs[e + 1]
-            cover[a:b] += 1
-            if p is tails:
-                assert b - a <= 64 and b == offs[e + 1]
-                n_tails += 1
-            else:
-                assert b - a > 64 or b < offs[e + 1]
-    assert torch.equal(cover[:offs[E]], torch.ones(offs[E], dtype=torch.int32))
-    assert n_tails == int(tails.n_tiles.item()) > 0
-    assert any(b - a > 64 and b == offs[e + 1] for e, a, b in zip(rest.tile_expert.tolist(), rest.tile_start.tolist(),
-                                                                rest.tile_end.tolist()) if e >= 0)
-    assert (tails.tile_expert[:n_tails] >= 0).all() and (tails.tile_expert[n_tails:] < 0).all()  # tails first

@@ -28,7 +28,11 @@ checks the SASS of the configurations the tests and the planner compile.
 
 One program: 16 REPEATS WARPS weight rows (WARPS = 4 or 8 warps, one or two warpgroups, x 16 rows,
 REPEATS = 1 or 2 times) x BLOCK_M rows of activations. With REPEATS = 1 a 256-row activation tile
-fits the same 128 accumulator registers, and each decoded weight feeds twice as many MMA columns. Epilogue (``kernels.moe._moe_epilogue``):
+fits the same 128 accumulator registers, and each decoded weight feeds twice as many MMA columns.
+GROUPED with TAIL_M > 0: a tile of at most TAIL_M rows (an expert's short last tile) runs the
+same code with TAIL_M-row wgmmas (``_gemm_tile`` is instantiated for both heights), so it costs
+less than a nearly empty BLOCK_M tile and still follows its expert's first tile, whose weights it
+reads again, while they are in L2. Epilogue (``kernels.moe._moe_epilogue``):
   plain linear: ``y[m, n] = acc * FOLD * global + bias`` (no MoE arguments);
   GROUPED (MoE, program axis over an ``ops.dispatch`` plan's tiles of one expert each):
     SWIGLU > 0 (GEMM 1): the rows are 16 WARPS gate rows then the matching up rows, so every
@@ -104,33 +108,16 @@ def _k_step(c, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_sme
 
 
 @gluon.jit
-def fp4_gemm_wgmma_kernel(
-    wq_ptr,  # int32 words [E * N/16, K/64, 32, 4] (mma_layout), E = 1 unless GROUPED
-    sc_ptr,  # int16 scale pairs [E * N/16, K/64, 32] (NVFP4) or [E * N/16, K/64, 8, 2] (MXFP4)
-    x_desc,  # TMA descriptor of the bf16 activations in MMA K order [rows, K], block [BLOCK_M, 64] (``mma_order_rows``)
-    wg_ptr,  # plain: [1] fp32 global (WG_MODE 1); GROUPED: [E] (1) or [E, N] (2, stride_ge); else unused
-    bias_ptr,  # plain: [N]; GROUPED: [E, N] (stride_be); HAS_BIAS, else unused
-    out_ptr,  # plain: y [M, N]; GEMM 1: h [R, N/2]; GEMM 2: pair rows [T*k, N] (stride_om)
-    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tiles
-    row_out_ptr,  # SCATTER: [R] int32 output row of each sorted row
-    row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row
-    M, N, K,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
-    stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
-    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64, 128 or 256 (REPEATS = 1)
-    WARPS: gl.constexpr,  # 4 (one warpgroup) or 8 (two)
-    REPEATS: gl.constexpr,  # 16-row weight blocks per warp: 2 (32 WARPS weight rows; GEMM 1 needs it) or 1
-    STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 2 load while c computes)
-    MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
-    SWIGLU: gl.constexpr,  # 0 none, 1 silu(g) * u, 2 gpt-oss clamped variant (ALPHA, LIMIT)
-    ALPHA: gl.constexpr, LIMIT: gl.constexpr,
-    GROUPED: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
-    OUT_MMA_ORDER: gl.constexpr,  # GEMM 1: h written in MMA K order (GEMM 2's activations, read by TMA as they are)
-    FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
-    GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
-):
+def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N,
+               K, e, pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be,
+               WARPS: gl.constexpr, REPEATS: gl.constexpr, STAGES: gl.constexpr, MXFP4: gl.constexpr,
+               WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
+               LIMIT: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr, OUT_MMA_ORDER: gl.constexpr,
+               FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
+    """One program's tile of ``fp4_gemm_wgmma_kernel``: BLOCK_M activation rows from ``row_start``
+    (valid below ``row_end``) x the weight rows of N tile ``pid_n`` of expert ``e``, K chunks below
+    ``kc_end``; mainloop and epilogue (module docstring)."""
     NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
-    gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
-    BLOCK_N: gl.constexpr = 16 * NB
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -138,32 +125,9 @@ def fp4_gemm_wgmma_kernel(
                                               warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
     w_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
-
-    pid = gl.program_id(0)
     KC = K // 64
     NRB = (N + 15) // 16
-    if SWIGLU > 0:
-        n_tiles_n = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
-    else:
-        n_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    if GROUPED:  # tiles outer, N inner: concurrent programs share the tile's activations
-        pid_n = pid % n_tiles_n
-        pid_m = pid // n_tiles_n
-        e = gl.load(tile_expert_ptr + pid_m)
-        row_start = gl.load(tile_start_ptr + pid_m)
-        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)
-        kc_end = gl.where(e >= 0, KC, 0)  # unused tile: no K steps, nothing stored
-        e = gl.maximum(e, 0)
-    else:  # raster groups of GROUP_M activation tiles x all N tiles
-        per_group = GROUP_M * n_tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
-        e = 0
-        row_start = pid_m * BLOCK_M
-        row_end = M
-        kc_end = KC
+    BLOCK_N: gl.constexpr = 16 * NB
 
     # weight words and scales at chunk 0 (each step adds a scalar)
     rb_e = e * NRB
@@ -239,6 +203,81 @@ def fp4_gemm_wgmma_kernel(
     _moe_epilogue(acc_g, acc_u, FOLD, e, rows, rows < row_end, out_cols, cols < N_OUT, gate_rows, up_rows, wg_ptr,
                   bias_ptr, row_w_ptr, row_out_ptr, out_ptr, stride_ge, stride_be, stride_om,
                   SWIGLU, WG_MODE, HAS_BIAS, HAS_RW, SCATTER)
+
+
+@gluon.jit
+def fp4_gemm_wgmma_kernel(
+    wq_ptr,  # int32 words [E * N/16, K/64, 32, 4] (mma_layout), E = 1 unless GROUPED
+    sc_ptr,  # int16 scale pairs [E * N/16, K/64, 32] (NVFP4) or [E * N/16, K/64, 8, 2] (MXFP4)
+    x_desc,  # TMA descriptor of the bf16 activations in MMA K order [rows, K], block [BLOCK_M, 64] (``mma_order_rows``)
+    x_tail_desc,  # TAIL_M > 0: the same activations, block [TAIL_M, 64]; else unused (pass x_desc)
+    wg_ptr,  # plain: [1] fp32 global (WG_MODE 1); GROUPED: [E] (1) or [E, N] (2, stride_ge); else unused
+    bias_ptr,  # plain: [N]; GROUPED: [E, N] (stride_be); HAS_BIAS, else unused
+    out_ptr,  # plain: y [M, N]; GEMM 1: h [R, N/2]; GEMM 2: pair rows [T*k, N] (stride_om)
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tiles
+    row_out_ptr,  # SCATTER: [R] int32 output row of each sorted row
+    row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row
+    M, N, K,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
+    stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
+    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64, 128 or 256 (REPEATS = 1)
+    WARPS: gl.constexpr,  # 4 (one warpgroup) or 8 (two)
+    REPEATS: gl.constexpr,  # 16-row weight blocks per warp: 2 (32 WARPS weight rows; GEMM 1 needs it) or 1
+    STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 2 load while c computes)
+    MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
+    SWIGLU: gl.constexpr,  # 0 none, 1 silu(g) * u, 2 gpt-oss clamped variant (ALPHA, LIMIT)
+    ALPHA: gl.constexpr, LIMIT: gl.constexpr,
+    GROUPED: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
+    OUT_MMA_ORDER: gl.constexpr,  # GEMM 1: h written in MMA K order (GEMM 2's activations, read by TMA as they are)
+    FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
+    GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
+    TAIL_M: gl.constexpr,  # GROUPED: tiles of at most TAIL_M rows run as TAIL_M-row tiles (0: never)
+):
+    NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
+    gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
+    BLOCK_N: gl.constexpr = 16 * NB
+
+    pid = gl.program_id(0)
+    KC = K // 64
+    if SWIGLU > 0:
+        n_tiles_n = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
+    else:
+        n_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    if GROUPED:  # tiles outer, N inner: concurrent programs share the tile's activations
+        pid_n = pid % n_tiles_n
+        pid_m = pid // n_tiles_n
+        e = gl.load(tile_expert_ptr + pid_m)
+        row_start = gl.load(tile_start_ptr + pid_m)
+        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)
+        kc_end = gl.where(e >= 0, KC, 0)  # unused tile: no K steps, nothing stored
+        e = gl.maximum(e, 0)
+    else:  # raster groups of GROUP_M activation tiles x all N tiles
+        per_group = GROUP_M * n_tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        e = 0
+        row_start = pid_m * BLOCK_M
+        row_end = M
+        kc_end = KC
+
+    # the tile: TAIL_M-row wgmmas for an expert's short last tile (or an unused one), else BLOCK_M-row
+    # ones; the two variants' shared buffers live in exclusive branches and share the same bytes
+    if TAIL_M > 0:
+        if row_end - row_start <= TAIL_M:
+            _gemm_tile(x_tail_desc, TAIL_M, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+                       pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
+                       MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
+                       SCALE)
+        else:
+            _gemm_tile(x_desc, BLOCK_M, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+                       pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
+                       MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
+                       SCALE)
+    else:
+        _gemm_tile(x_desc, BLOCK_M, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e, pid_n,
+                   row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES, MXFP4,
+                   WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE, SCALE)
 
 
 @triton.jit

@@ -317,13 +317,16 @@ class WgmmaConfig:
     up halves of MoE GEMM 1 in one thread; 1: 16 * warps rows, so that a 256-row activation tile
     still fits the registers), ``block_m`` activation rows per program (the wgmma N side; the
     accumulator holds repeats * block_m / 2 fp32 registers per thread, at most 128), ``stages``
-    activation ring depth, ``group_m`` activation tiles per raster group (plain linear only)."""
+    activation ring depth, ``group_m`` activation tiles per raster group (plain linear only),
+    ``tail_m`` (MoE only; 0 = off) the height at which a tile of at most that many rows, an
+    expert's short last tile, runs with narrower wgmmas."""
 
     block_m: int = 128
     stages: int = 4
     group_m: int = 8
     warps: int = 4
     repeats: int = 2
+    tail_m: int = 0
 
     def __post_init__(self) -> None:
         if self.block_m not in (64, 128, 256):
@@ -340,6 +343,9 @@ class WgmmaConfig:
             raise ValueError(f"WgmmaConfig: block_m {self.block_m} with repeats {self.repeats} needs "
                              f"{self.repeats * self.block_m // 2} accumulator registers per thread (at most 128); "
                              "use repeats=1 for 256-row tiles")
+        if self.tail_m not in (0, 64, 128) or (self.tail_m and self.tail_m >= self.block_m):
+            raise ValueError(f"WgmmaConfig.tail_m: expected 0, or 64 or 128 below block_m {self.block_m}, "
+                             f"got {self.tail_m}")
 
     @property
     def block_n(self) -> int:
@@ -347,7 +353,7 @@ class WgmmaConfig:
         return 16 * self.repeats * self.warps
 
     def __str__(self) -> str:
-        tail = "" if self.repeats == 2 else f"_r{self.repeats}"
+        tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "")
         return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
 
 
@@ -472,7 +478,10 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
     mx = get_format(fmt) is not NVFP4
     if wg_mode is None:
         wg_mode = 0 if mx else 1
-    signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_desc": _x_desc_type(config.block_m), "wg_ptr": "*fp32",
+    if gemm == "linear" and config.tail_m:
+        raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config} for the plain linear")
+    signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_desc": _x_desc_type(config.block_m),
+                 "x_tail_desc": _x_desc_type(config.tail_m or config.block_m), "wg_ptr": "*fp32",
                  "bias_ptr": "*bf16", "out_ptr": "*fp32" if gemm == "gemm2" else "*bf16", "tile_expert_ptr": "*i32",
                  "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
                  "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32",
@@ -482,7 +491,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                       HAS_BIAS=has_bias, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
                       OUT_MMA_ORDER=gemm == "gemm1", FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
-                      SCALE=scale_asm(mx), GROUP_M=config.group_m if gemm == "linear" else 1)
+                      SCALE=scale_asm(mx), GROUP_M=config.group_m if gemm == "linear" else 1, TAIL_M=config.tail_m)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("wq_ptr", "sc_ptr", "out_ptr", "N", "K", "stride_om"))
@@ -491,7 +500,8 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
 def wgmma_smem_terms(config: WgmmaConfig) -> list[tuple[str, int, int]]:
     """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring (TMA
     tiles), the weight-word ring (each thread's cp.async words) and one mbarrier per stage. The
-    epilogue works from registers. Checked against compiled kernels in the tests."""
+    epilogue works from registers; a ``tail_m`` variant's buffers reuse the same bytes. Checked
+    against compiled kernels in the tests."""
     nb = config.repeats * config.warps  # 16-row weight blocks per program
     return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
             ("weight words", nb * 32 * 4 * 4, config.stages),
@@ -513,14 +523,16 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
+    if config.tail_m:
+        raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
     fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, config.block_n),)](
-        p.words, p.scales.view(torch.int16), x_desc, p.global_scale if p.global_scale is not None else unused,
+        p.words, p.scales.view(torch.int16), x_desc, x_desc, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, unused, unused, unused, unused, unused,
         M, N, k_stored, out.stride(0), 0, 0, tiles_m,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
         HAS_BIAS=bias is not None, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, GROUPED=False, SCATTER=False,
         HAS_RW=False, OUT_MMA_ORDER=False, GROUP_M=config.group_m, WARPS=config.warps, REPEATS=config.repeats,
-        num_warps=config.warps,
+        TAIL_M=0, num_warps=config.warps,
         **_wgmma_consts(p))
     return out
 
@@ -580,13 +592,14 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
     wg, wg_mode = globals_
     unused = plan.sorted_pair
     fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, config.block_n // 2 if swiglu else config.block_n),)](
-        p.words, p.scales.view(torch.int16), _x_desc(xm, config.block_m), wg if wg is not None else unused,
+        p.words, p.scales.view(torch.int16), _x_desc(xm, config.block_m),
+        _x_desc(xm, config.tail_m or config.block_m), wg if wg is not None else unused,
         bias if bias is not None else unused, out, plan.tile_expert, plan.tile_start, plan.tile_end,
         plan.sorted_pair if scatter else unused, row_weight if row_weight is not None else unused,
         R, n_per_expert, k_stored, out.stride(0),
         wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0, plan.max_tiles,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
-        OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, num_warps=config.warps,
-        **_wgmma_consts(p))
+        OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, TAIL_M=config.tail_m,
+        num_warps=config.warps, **_wgmma_consts(p))
     return out

@@ -341,15 +341,17 @@ def mma_moe_config(rows_per_expert: float):
 
 
 def wgmma_moe_config(rows_per_expert: float):
-    """Prefill on SM90 (H200, GLM-5 at 4096 tokens, scripts/try_wgmma.py, TMA version): one
-    warpgroup per program (two programs per SM) measured best; 128-row tiles equal 64-row ones at
-    128 rows per expert (7.52 vs 7.53 ms), 64-row tiles while experts average <= 48 rows (less
-    padding in each expert's last tile)."""
+    """Prefill on SM90 (H200, GLM-5 experts, scripts/try_wgmma.py and scripts/sweep_moe_tails.py):
+    one warpgroup of two register repeats per program (two programs per SM; GEMM 2 on the linear's
+    two warpgroups of one repeat was 8% slower: 8,023 vs 7,438 us at 4096 tokens), 64-row tiles
+    while experts average <= 48 rows, else 128-row tiles whose short tails (<= 64 rows) run with
+    64-row wgmmas in GEMM 1 (``tail_m``: 7,469 -> 7,096 us at 4096 tokens; GEMM 2's choice is
+    ``wgmma_gemm2_config``)."""
     from .mma_layout import WgmmaConfig
 
     if rows_per_expert <= 48:
         return WgmmaConfig(block_m=64, stages=4, warps=4)
-    return WgmmaConfig(block_m=128, stages=4, warps=4)
+    return WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)
 
 
 def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
@@ -397,44 +399,26 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     return launch_combine(y_pair, topk_ids, k, shared_out, out, E)
 
 
-#: MoE prefill on SM90 (``_run_wgmma``): an expert's last tile of at most this many rows runs in a
-#: second launch of 64-row tiles instead of as a nearly empty 128-row tile; 0 turns it off. H200,
-#: GLM-5 experts (scripts/sweep_moe_tails.py, benchmarks/raw/sweep-moe-tails-h200.json): 7,438 ->
-#: 7,118 us at 4096 tokens, 22,675 -> 22,202 at 16384. Less than the tiles' cost suggests (a 64-row
-#: program costs ~0.65 of a 128-row one): the second launch reads the experts' weights from HBM
-#: again, where a tail tile right after its expert's first tile mostly hit L2.
-_TAIL_ROWS = 64
-#: GEMM 2 (no fused activation) on two warpgroups of one register repeat, the linear's choice: off,
-#: it was 8% slower in the same sweep (7,438 -> 8,023 us at 4096 tokens)
-_GEMM2_ONE_REPEAT = False
+#: GEMM 2 runs the short tails with narrower wgmmas too (``WgmmaConfig.tail_m``). Off: with both
+#: tile variants in one kernel GEMM 2 (255 registers with one) spills 8 bytes, which the planner
+#: refuses (GEMM 1, 233 registers, does not), and the H200 sweep was mixed: GLM-5 experts 7,096 ->
+#: 6,824 us at 4096 tokens, 22,171 -> 22,954 at 16384 (scripts/sweep_moe_tails.py; ~3% noise).
+_GEMM2_TAILS = False
 
 
-def split_tail_tiles(plan: DispatchPlan, rows: int) -> tuple[DispatchPlan, DispatchPlan]:
-    """The plan's tiles in two launches: (the plan with every expert's last tile of at most ``rows``
-    rows disabled, a plan of block_m ``rows`` holding just those tails, first, in at most E tiles).
-    Same rows and experts; torch ops on the device, no host synchronisation."""
+def wgmma_gemm2_config(cfg):
+    """GEMM 2's configuration on the plan GEMM 1's ``cfg`` was chosen for (``_GEMM2_TAILS``)."""
     from dataclasses import replace
 
-    from .dispatch import TileMap
-
-    t = plan.tiles
-    tail = (t.tile_expert >= 0) & (t.tile_end - t.tile_start <= rows)
-    first = torch.argsort(tail.to(torch.int8), descending=True, stable=True)[:min(plan.n_experts, plan.max_tiles)]
-    tails = TileMap(torch.where(tail, t.tile_expert, -1)[first], t.tile_start[first], t.tile_end[first],
-                    tail.sum(dtype=torch.int32).reshape(1), rows)
-    rest = TileMap(torch.where(tail, -1, t.tile_expert), t.tile_start, t.tile_end, t.n_tiles, t.block_m)
-    return replace(plan, tiles=rest), replace(plan, tiles=tails)
+    return cfg if _GEMM2_TAILS else replace(cfg, tail_m=0)
 
 
 def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias, shared_out,
                out):
     """GEMM 1 with the activation fused (writes h) -> GEMM 2 with the routing weight, scattered to
-    pair rows -> combine; ``cfg`` a ``WgmmaConfig``, the plan made for its block_m. With 128-row
-    tiles, the experts' short last tiles run as 64-row tiles in a second launch of each GEMM
-    (``_TAIL_ROWS``); the activations are gathered into MMA K order once for both."""
-    from dataclasses import replace
-
-    from .mma_layout import KCHUNK, launch_grouped_wgmma, mma_order_rows
+    pair rows -> combine; ``cfg`` GEMM 1's ``WgmmaConfig`` (GEMM 2's: ``wgmma_gemm2_config``), the
+    plan made for its block_m."""
+    from .mma_layout import KCHUNK, launch_grouped_wgmma
 
     T, H = x.shape
     I = w2.shape[2]
@@ -442,22 +426,13 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
     # h in GEMM 2's MMA K order (its columns past I, if any, stay zero): GEMM 2's TMA reads it as it is
     i_stored = p2.words.shape[1] * KCHUNK
     h = (torch.empty if i_stored == I else torch.zeros)((T * k, i_stored), dtype=x.dtype, device=x.device)
-    if _TAIL_ROWS and cfg.block_m > _TAIL_ROWS:
-        launches = [(p, replace(cfg, block_m=p.block_m)) for p in split_tail_tiles(plan, _TAIL_ROWS)]
-    else:
-        launches = [(plan, cfg)]
-    xm = mma_order_rows(x, p13.words.shape[1] * KCHUNK, plan.sorted_token)  # GEMM 1's rows, gathered once
     alpha, limit = GPT_OSS_ALPHA, GPT_OSS_LIMIT
-    for p, c in launches:
-        launch_grouped_wgmma(xm, p13, 2 * I, p, h, c, gather=False, x_mma_order=True, out_mma_order=True,
-                             swiglu=_SWIGLU[activation], alpha=alpha, limit=limit, globals_=_weight_globals(w13),
-                             bias=w13_bias)
+    launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=True, swiglu=_SWIGLU[activation],
+                         alpha=alpha, limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
     row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
-    for p, c in launches:
-        c2 = replace(c, warps=8, repeats=1) if _GEMM2_ONE_REPEAT else c
-        launch_grouped_wgmma(h, p2, H, p, y_pair, c2, gather=False, x_mma_order=True, globals_=_weight_globals(w2),
-                             bias=w2_bias, row_weight=row_w, scatter=True)
+    launch_grouped_wgmma(h, p2, H, plan, y_pair, wgmma_gemm2_config(cfg), gather=False, x_mma_order=True,
+                         globals_=_weight_globals(w2), bias=w2_bias, row_weight=row_w, scatter=True)
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
 
 

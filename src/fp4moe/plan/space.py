@@ -1045,13 +1045,16 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
                 for s in (3, 4, 5, 6)]
 
     def heuristic(self, problem: MoEGemmProblem, arch: Arch, sm_count: int | None = None):
-        from ..ops.moe import wgmma_moe_config
+        from ..ops.moe import wgmma_gemm2_config, wgmma_moe_config
 
         self.check_problem(problem)
         self._check_arch(arch)
         cfg = wgmma_moe_config(problem.pairs / problem.E)
+        if problem.gemm == 2:
+            cfg = wgmma_gemm2_config(cfg)
         if problem.block_m is not None and cfg.block_m != problem.block_m:
-            cfg = dataclasses.replace(cfg, block_m=self._block_ms(problem)[0])
+            bm = self._block_ms(problem)[0]
+            cfg = dataclasses.replace(cfg, block_m=bm, tail_m=cfg.tail_m if cfg.tail_m < bm else 0)
         return cfg
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
