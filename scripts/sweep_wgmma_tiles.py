@@ -25,17 +25,23 @@ MID_CONFIGS = [WgmmaConfig(), WgmmaConfig(block_m=64), WgmmaConfig(block_m=64, w
                WgmmaConfig(block_m=128, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=8, repeats=1),
                WgmmaConfig(block_m=256, warps=8, repeats=1, stages=3)]
 
+DEPTH_CONFIGS = [WgmmaConfig(block_m=256, warps=8, repeats=1, stages=s, group_m=g) for s in (3, 4, 5, 6) for g in (8, 16)]
+
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--ms", default="1024,4096,16384")
     ap.add_argument("--mid", action="store_true", help="M = 96..2048 and the configurations that compete there")
+    ap.add_argument("--depth", action="store_true", help="M = 4096, 16384: ring depth and raster group of 256-row tiles")
     args = ap.parse_args()
     global CONFIGS
     if args.mid:
         CONFIGS = MID_CONFIGS
         args.ms = "96,128,192,256,384,512,768,1024,2048"
+    if args.depth:
+        CONFIGS = DEPTH_CONFIGS
+        args.ms = "4096,16384"
     dev = "cuda"
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "time": []}
@@ -76,7 +82,8 @@ def main():
                   + " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("wgmma")), flush=True)
             res["time"].append(row)
     if args.out:
-        with open(os.path.join(args.out, "sweep-wgmma-tiles-h200.json"), "w") as f:
+        name = "sweep-wgmma-tiles" + ("-mid" if args.mid else "-depth" if args.depth else "")
+        with open(os.path.join(args.out, f"{name}-h200.json"), "w") as f:
             json.dump(res, f, indent=1)
 
 
