@@ -2,11 +2,14 @@
 
 At prefill the tensor cores are the bound, and on SM90 only ``wgmma`` reaches them at full rate.
 ``wgmma`` takes its A operand from registers, with the same per-warp fragment layout as
-``mma.sync.m16n8k16`` — the layout ``fp4moe.ops.mma_layout`` stores the weights in. So each
-thread copies its own weight words (16-byte ``cp.async`` into a shared ring it alone reads back)
-and decodes them (``linear_mma.decode_a_operand``: ~2 instructions per value, the layout
-conversion asserted free) straight into the operand, while the activations arrive by TMA (one
-mbarrier per ring stage) in the 128-byte swizzle wgmma reads as its B operand.
+``mma.sync.m16n8k16`` — the layout ``fp4moe.ops.mma_layout`` stores the weights in. So the
+program's weight words for a 64-K chunk (16-row blocks of 128 int32, contiguous per block) arrive
+by TMA into a shared ring, each thread reads its own 16 bytes back and decodes them
+(``linear_mma.decode_a_operand``: ~2 instructions per value, the layout conversion asserted free)
+straight into the operand; the activations arrive by TMA on the same mbarrier per ring stage, in
+the 128-byte swizzle wgmma reads as its B operand. (Until session 5 each thread copied its weight
+words with a 16-byte ``cp.async``: per-thread addresses, commit and wait on the warps that also
+decode and issue the wgmmas.)
 
 Activations in MMA K order. The weights' K is permuted inside every 64-chunk (stored k = 16t +
 4kl + 2i2 + i0 at MMA position 16kl + 8i2 + 2t + i0, see ``mma_layout``), so the B operand must
@@ -46,7 +49,6 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
@@ -82,24 +84,39 @@ def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, NB: gl.constexpr, SWI
 
 
 @gluon.jit
-def _k_step(c, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem, ready, row_start,
-            S_STEP: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
-            a_layout: gl.constexpr, w_layout: gl.constexpr):
+def _load_chunk(cn, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up,
+                NB: gl.constexpr, SWIGLU: gl.constexpr):
+    """TMA copies of chunk ``cn`` (nothing at or past kc_end) into ring slot ``cn % STAGES`` on its
+    mbarrier: the activation tile and the program's NB weight row blocks (words of 16-row block b
+    at [b, 128 chunk]: one box from rb0, or for GEMM 1 NB / 2 gate blocks from rb0 and as many up
+    blocks from rb_up; blocks past the weight are zeros or another expert's, whose columns are
+    never stored)."""
+    slot = cn % x_smem.shape[0]
+    pred = cn < kc_end
+    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + NB * 512, pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [row_start, cn * 64], ready.index(slot), x_smem.index(slot), pred=pred)
+    if SWIGLU > 0:
+        tma.async_copy_global_to_shared(w_desc, [rb0, cn * 128], ready.index(slot),
+                                        w_smem.index(slot).slice(0, NB // 2), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [rb_up, cn * 128], ready.index(slot),
+                                        w_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(w_desc, [rb0, cn * 128], ready.index(slot), w_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _k_step(c, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up,
+            S_STEP: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, SWIGLU: gl.constexpr,
+            DECODE: gl.constexpr, SCALE: gl.constexpr, a_layout: gl.constexpr, w_layout: gl.constexpr):
     """One 64-K chunk c: refill the buffers chunk c-2 used (every warpgroup is past chunk c-1's
-    wait, so c-2's wgmma is done everywhere) with chunk c + STAGES - 2, decode c's weights into the
-    A operand and issue its wgmma, keeping one in flight."""
+    wait, so c-2's wgmma is done and its weight words are read everywhere) with chunk
+    c + STAGES - 2, decode c's weights into the A operand and issue its wgmma, keeping one in
+    flight."""
     gl.thread_barrier()
-    cn = c + STAGES - 2
-    slot_n = cn % STAGES
-    mbarrier.expect(ready.index(slot_n), x_desc.block_type.nbytes, pred=cn < kc_end)
-    tma.async_copy_global_to_shared(x_desc, [row_start, cn * 64], ready.index(slot_n), x_smem.index(slot_n),
-                                    pred=cn < kc_end)
-    async_copy.async_copy_global_to_shared(w_smem.index(slot_n), w_ptrs + gl.minimum(cn, KC - 1) * 128)
-    async_copy.commit_group()
-    async_copy.wait_group(STAGES - 2)  # this thread's weight words of chunk c have landed
-    w = w_smem.index(c % STAGES).load(w_layout)
-    wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
+    _load_chunk(c + STAGES - 2, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up, NB, SWIGLU)
     mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
+    w = w_smem.index(c % STAGES).reshape([NB, 1, 32, 4]).load(w_layout)
+    wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
     wd = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [wd], dtype=gl.bfloat16, is_pure=False, pack=2)
     acc = warpgroup_mma(wd, x_smem.index(c % STAGES).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=[acc])
@@ -108,7 +125,7 @@ def _k_step(c, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_sme
 
 
 @gluon.jit
-def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N,
+def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N,
                K, e, pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be,
                WARPS: gl.constexpr, REPEATS: gl.constexpr, STAGES: gl.constexpr, MXFP4: gl.constexpr,
                WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
@@ -124,20 +141,19 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, wq_ptr, sc_ptr, wg_ptr, bias_ptr, 
     w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
                                               warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
-    w_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
     KC = K // 64
     NRB = (N + 15) // 16
     BLOCK_N: gl.constexpr = 16 * NB
 
-    # weight words and scales at chunk 0 (each step adds a scalar)
+    # the program's first weight row block (GEMM 1: first gate block, and its first up block) and
+    # the scales at chunk 0 (each step adds a scalar)
     rb_e = e * NRB
-    i_rb = gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_layout))))
-    i_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, w_layout))))
-    i_kl = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w_layout))))
-    rb = rb_e + _row_block(pid_n, i_rb, NRB, NRB // 2, WARPS, NB, SWIGLU)
-    w_ptrs = wq_ptr + (gl.expand_dims(gl.expand_dims(gl.expand_dims(rb.to(gl.int64) * KC, 1), 2), 3) * 128
-                       + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_lane * 4, 0), 1), 3)
-                       + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_kl, 0), 1), 2))
+    if SWIGLU > 0:
+        rb0 = rb_e + pid_n * WARPS
+        rb_up = rb0 + NRB // 2
+    else:
+        rb0 = rb_e + pid_n * NB
+        rb_up = rb0
     s_rb = rb_e + _row_block(pid_n, gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))),
                              NRB, NRB // 2, WARPS, NB, SWIGLU)
     s_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
@@ -150,35 +166,33 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, wq_ptr, sc_ptr, wg_ptr, bias_ptr, 
     s_ptrs = sc_ptr + gl.expand_dims(gl.expand_dims(s_rb.to(gl.int64) * KC * S_STEP, 1), 2) \
         + gl.expand_dims(gl.expand_dims(s_in, 0), 1)
 
-    # the ring: activation tiles by TMA (one mbarrier per stage; the 128-byte swizzle wgmma reads) and
-    # each thread's own weight words by cp.async (read back by the thread that copied them, so they
-    # need no barrier); scales are small and come through registers, two chunks ahead
+    # the ring: activation tiles (the 128-byte swizzle wgmma reads) and the program's weight words
+    # ([NB, 128] int32 per chunk, each thread then reads its own 16 bytes), both by TMA on one
+    # mbarrier per stage; scales are small and come through registers, two chunks ahead
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 1, 32, 4], w_smem_layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 128], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
     for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
-        mbarrier.expect(ready.index(i), x_desc.block_type.nbytes, pred=i < kc_end)
-        tma.async_copy_global_to_shared(x_desc, [row_start, i * 64], ready.index(i), x_smem.index(i), pred=i < kc_end)
-        async_copy.async_copy_global_to_shared(w_smem.index(i), w_ptrs + gl.minimum(i, KC - 1) * 128)
-        async_copy.commit_group()
+        _load_chunk(i, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up, NB, SWIGLU)
 
     s = gl.load(s_ptrs)
     s_next = gl.load(s_ptrs + gl.minimum(1, KC - 1) * S_STEP)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     for j in range(0, kc_end // 2):
-        acc, s, s_next = _k_step(2 * j, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem, ready,
-                                 row_start, S_STEP, STAGES, NB, DECODE, SCALE, a_layout, w_layout)
-        acc, s, s_next = _k_step(2 * j + 1, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem,
-                                 ready, row_start, S_STEP, STAGES, NB, DECODE, SCALE, a_layout, w_layout)
+        acc, s, s_next = _k_step(2 * j, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem, ready,
+                                 row_start, rb0, rb_up, S_STEP, STAGES, NB, SWIGLU, DECODE, SCALE, a_layout, w_layout)
+        acc, s, s_next = _k_step(2 * j + 1, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem,
+                                 ready, row_start, rb0, rb_up, S_STEP, STAGES, NB, SWIGLU, DECODE, SCALE, a_layout,
+                                 w_layout)
     if kc_end % 2 == 1:
-        acc, s, s_next = _k_step(kc_end - 1, kc_end, KC, acc, s, s_next, s_ptrs, w_ptrs, x_desc, x_smem, w_smem,
-                                 ready, row_start, S_STEP, STAGES, NB, DECODE, SCALE, a_layout, w_layout)
+        acc, s, s_next = _k_step(kc_end - 1, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem,
+                                 ready, row_start, rb0, rb_up, S_STEP, STAGES, NB, SWIGLU, DECODE, SCALE, a_layout,
+                                 w_layout)
     acc = warpgroup_mma_wait(0, deps=[acc])
-    async_copy.wait_group(0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -207,7 +221,8 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, wq_ptr, sc_ptr, wg_ptr, bias_ptr, 
 
 @gluon.jit
 def fp4_gemm_wgmma_kernel(
-    wq_ptr,  # int32 words [E * N/16, K/64, 32, 4] (mma_layout), E = 1 unless GROUPED
+    w_desc,  # TMA descriptor of the int32 weight words as [E * N/16, K/64 * 128] (mma_layout's [.., K/64, 32, 4]),
+    #          block [16 REPEATS WARPS / 16, 128] (GEMM 1: half that, gate and up blocks copied apart); E = 1 unless GROUPED
     sc_ptr,  # int16 scale pairs [E * N/16, K/64, 32] (NVFP4) or [E * N/16, K/64, 8, 2] (MXFP4)
     x_desc,  # TMA descriptor of the bf16 activations in MMA K order [rows, K], block [BLOCK_M, 64] (``mma_order_rows``)
     x_tail_desc,  # TAIL_M > 0: the same activations, block [TAIL_M, 64]; else unused (pass x_desc)
@@ -265,17 +280,17 @@ def fp4_gemm_wgmma_kernel(
     # ones; the two variants' shared buffers live in exclusive branches and share the same bytes
     if TAIL_M > 0:
         if row_end - row_start <= TAIL_M:
-            _gemm_tile(x_tail_desc, TAIL_M, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+            _gemm_tile(x_tail_desc, TAIL_M, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
                        pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
                        MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
                        SCALE)
         else:
-            _gemm_tile(x_desc, BLOCK_M, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+            _gemm_tile(x_desc, BLOCK_M, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
                        pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
                        MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
                        SCALE)
     else:
-        _gemm_tile(x_desc, BLOCK_M, wq_ptr, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e, pid_n,
+        _gemm_tile(x_desc, BLOCK_M, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e, pid_n,
                    row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES, MXFP4,
                    WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE, SCALE)
 

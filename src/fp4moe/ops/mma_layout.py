@@ -444,6 +444,30 @@ def _x_desc(xm: torch.Tensor, block_m: int):
     return TensorDescriptor.from_tensor(xm, [block_m, KCHUNK], _x_smem_layout())
 
 
+def _w_smem_layout():
+    """The weight-word ring's shared layout: plain rows of 128 int32 (each thread reads its own 16
+    bytes back), the layout TMA copies them in."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _w_box_rows(config: WgmmaConfig, swiglu: bool) -> int:
+    """16-row weight blocks per TMA box: the program's blocks, or for GEMM 1 its gate half (the up
+    half is a second copy from I / 16 blocks further)."""
+    nb = config.repeats * config.warps
+    return nb // 2 if swiglu else nb
+
+
+def _w_desc(p: MMAPackedFP4, rows: int):
+    """TMA descriptor of the packed weight words as [blocks, K/64 * 128] int32, [rows, 128] boxes
+    (one chunk of ``rows`` 16-row blocks; blocks past the end read as zeros)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    words = p.words.reshape(p.words.shape[0], -1)
+    return TensorDescriptor.from_tensor(words, [rows, 128], _w_smem_layout())
+
+
 def _wgmma_consts(p: MMAPackedFP4) -> dict:
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
 
@@ -480,7 +504,9 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
         wg_mode = 0 if mx else 1
     if gemm == "linear" and config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config} for the plain linear")
-    signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_desc": _x_desc_type(config.block_m),
+    w_rows = _w_box_rows(config, gemm == "gemm1")
+    signature = {"w_desc": f"tensordesc<i32[{w_rows}, 128],{_w_smem_layout()!r}>", "sc_ptr": "*i16",
+                 "x_desc": _x_desc_type(config.block_m),
                  "x_tail_desc": _x_desc_type(config.tail_m or config.block_m), "wg_ptr": "*fp32",
                  "bias_ptr": "*bf16", "out_ptr": "*fp32" if gemm == "gemm2" else "*bf16", "tile_expert_ptr": "*i32",
                  "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
@@ -494,17 +520,17 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                       SCALE=scale_asm(mx), GROUP_M=config.group_m if gemm == "linear" else 1, TAIL_M=config.tail_m)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
-                          divisible_by_16=("wq_ptr", "sc_ptr", "out_ptr", "N", "K", "stride_om"))
+                          divisible_by_16=("sc_ptr", "out_ptr", "N", "K", "stride_om"))
 
 
 def wgmma_smem_terms(config: WgmmaConfig) -> list[tuple[str, int, int]]:
-    """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring (TMA
-    tiles), the weight-word ring (each thread's cp.async words) and one mbarrier per stage. The
+    """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring and the
+    weight-word ring (both TMA tiles) and one mbarrier per stage. The
     epilogue works from registers; a ``tail_m`` variant's buffers reuse the same bytes. Checked
     against compiled kernels in the tests."""
     nb = config.repeats * config.warps  # 16-row weight blocks per program
     return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
-            ("weight words", nb * 32 * 4 * 4, config.stages),
+            ("weight words (TMA)", nb * 32 * 4 * 4, config.stages),
             ("mbarrier", 8, config.stages)]
 
 
@@ -526,7 +552,7 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     if config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
     fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, config.block_n),)](
-        p.words, p.scales.view(torch.int16), x_desc, x_desc, p.global_scale if p.global_scale is not None else unused,
+        _w_desc(p, _w_box_rows(config, False)), p.scales.view(torch.int16), x_desc, x_desc, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, unused, unused, unused, unused, unused,
         M, N, k_stored, out.stride(0), 0, 0, tiles_m,
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
@@ -592,7 +618,7 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
     wg, wg_mode = globals_
     unused = plan.sorted_pair
     fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, config.block_n // 2 if swiglu else config.block_n),)](
-        p.words, p.scales.view(torch.int16), _x_desc(xm, config.block_m),
+        _w_desc(p, _w_box_rows(config, bool(swiglu))), p.scales.view(torch.int16), _x_desc(xm, config.block_m),
         _x_desc(xm, config.tail_m or config.block_m), wg if wg is not None else unused,
         bias if bias is not None else unused, out, plan.tile_expert, plan.tile_start, plan.tile_end,
         plan.sorted_pair if scatter else unused, row_weight if row_weight is not None else unused,
