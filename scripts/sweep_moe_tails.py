@@ -1,7 +1,9 @@
 """MoE prefill on SM90 (ops.moe._run_wgmma): the experts' short last tiles (<= 64 rows) run with 64-row
 wgmmas (``WgmmaConfig.tail_m``; GEMM 1 only or both GEMMs) or as full 128-row tiles, ring depth 4 or 5:
 correctness against the reference, then GLM-5 layer times (experts: dispatch..combine) and the
-routing alone, with CUDA graphs. GPU only (SM90).
+routing alone, with CUDA graphs. GPU only (SM90). At 1024 tokens (32 rows per expert) the runtime
+picks 64-row tiles, which no variant changes: those columns time one configuration repeatedly and
+show the measurement's spread.
 Usage: PYTHONPATH=src python3 scripts/sweep_moe_tails.py [--out DIR]
 (benchmarks/raw/sweep-moe-tails-split-h200.json is an earlier version, commit e6ec365, that ran
 the tails as a second launch and tried GEMM 2 on two warpgroups of one repeat.)"""

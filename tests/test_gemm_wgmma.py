@@ -54,6 +54,21 @@ def test_moe_config_choice():
     assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)
 
 
+def test_guard_probe_runs_both_tile_heights():
+    """The guard's MoE probe for a configuration with tail_m gives one expert more rows than tail_m
+    (GEMM 1's tall variant) and the others fewer (its tail variant), top-k ids distinct per token,
+    the dropped slot kept; without it, the small probe of before."""
+    from fp4moe.ops.moe import _probe_problem
+
+    p = _probe_problem(72, "nvfp4", device="cpu", dtype=torch.bfloat16, per_row=False, bias=False, hot_rows=64)
+    ids = p.topk_ids
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=5)
+    assert counts[0] == 72 > 64 and 0 < counts[1:].max() <= 64
+    assert (ids[:, 0] != ids[:, 1]).all() and int((ids < 0).sum()) == 1
+    small = _probe_problem(7, "nvfp4", device="cpu", dtype=torch.bfloat16, per_row=False, bias=False)
+    assert small.topk_ids.shape == (7, 2) and bool((small.topk_ids < 5).all())
+
+
 def test_activation_pairs_checks():
     with pytest.raises(TypeError, match="bfloat16"):
         _x_pairs(torch.zeros(4, 64, dtype=torch.float16))

@@ -214,7 +214,11 @@ def test_config_pins_give_the_same_bits(device):
 def test_heuristic():
     big = QuantizeConfig.from_heuristic(16384, 6144)
     assert big == QuantizeConfig(block_m=1, block_k=2048, num_warps=2)
-    assert QuantizeConfig.from_heuristic(64, 512) == QuantizeConfig(block_m=4, block_k=512, num_warps=2)
+    assert QuantizeConfig.from_heuristic(64, 512) == QuantizeConfig(block_m=2, block_k=512, num_warps=1)
+    assert QuantizeConfig.from_heuristic(64, 2880) == QuantizeConfig(block_m=1, block_k=1024, num_warps=1)
+    assert QuantizeConfig.from_heuristic(64, 7168).block_k == 1024  # no 2048-wide tile wasted past K
+    assert QuantizeConfig.from_heuristic(64, 4096).block_k == 2048
+    assert QuantizeConfig.from_heuristic(64, 1536).block_k == 512  # 3 x 512 exactly
     assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=32, num_warps=1)
     assert QuantizeConfig.from_heuristic(3, 48).block_k == 64
     with pytest.raises(AttributeError):

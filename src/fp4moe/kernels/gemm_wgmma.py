@@ -89,11 +89,13 @@ def _load_chunk(cn, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb
     """TMA copies of chunk ``cn`` (nothing at or past kc_end) into ring slot ``cn % STAGES`` on its
     mbarrier: the activation tile and the program's NB weight row blocks (words of 16-row block b
     at [b, 128 chunk]: one box from rb0, or for GEMM 1 NB / 2 gate blocks from rb0 and as many up
-    blocks from rb_up; blocks past the weight are zeros or another expert's, whose columns are
-    never stored)."""
+    blocks from rb_up). Blocks past the program's rows (N or I not a multiple of the tile) are the
+    same expert's up rows (GEMM 1's gate box), the next expert's rows, or zeros past the tensor:
+    they feed only accumulator rows whose columns are never stored."""
     slot = cn % x_smem.shape[0]
     pred = cn < kc_end
-    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + NB * 512, pred=pred)
+    W_COPIES: gl.constexpr = 2 if SWIGLU > 0 else 1
+    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + W_COPIES * w_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(x_desc, [row_start, cn * 64], ready.index(slot), x_smem.index(slot), pred=pred)
     if SWIGLU > 0:
         tma.async_copy_global_to_shared(w_desc, [rb0, cn * 128], ready.index(slot),

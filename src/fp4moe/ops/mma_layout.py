@@ -542,6 +542,8 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
 
+    if config.tail_m:
+        raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
     M, N = x2.shape[0], p.shape[0]
     k_stored = p.words.shape[1] * KCHUNK
     if M == 0:
@@ -549,8 +551,6 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
-    if config.tail_m:
-        raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
     fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, config.block_n),)](
         _w_desc(p, _w_box_rows(config, False)), p.scales.view(torch.int16), x_desc, x_desc, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, unused, unused, unused, unused, unused,

@@ -6,7 +6,7 @@ Routing (top-k ids and weights) is an input here; ``ops.routing`` computes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -315,8 +315,6 @@ def mma_packed_experts(w: FP4Tensor):
     """Stacked expert weights [E, N, K] packed as one [E * N, K] weight in MMA operand order, without
     global scales (the MoE epilogue applies them per expert or per row); kept with the weight's
     storage like ``ops.linear.mma_packed``. None while a CUDA graph is captured and no pack exists."""
-    from dataclasses import replace
-
     from .mma_layout import pack_mma
 
     packed = getattr(w.data, "_fp4moe_mma", None)
@@ -345,8 +343,10 @@ def wgmma_moe_config(rows_per_expert: float):
     one warpgroup of two register repeats per program (two programs per SM; GEMM 2 on the linear's
     two warpgroups of one repeat was 8% slower: 8,023 vs 7,438 us at 4096 tokens), 64-row tiles
     while experts average <= 48 rows, else 128-row tiles whose short tails (<= 64 rows) run with
-    64-row wgmmas in GEMM 1 (``tail_m``: 7,469 -> 7,096 us at 4096 tokens; GEMM 2's choice is
-    ``wgmma_gemm2_config``)."""
+    64-row wgmmas in GEMM 1 (``tail_m``: 7,469 -> 7,096 us at 4096 tokens, and 7,438 -> 7,118 as a
+    second launch in an earlier sweep; each single comparison is within the sweep's spread, whose
+    identical configurations at 1024 tokens ranged 3,076-3,254 us, but both went the same way;
+    GEMM 2's choice is ``wgmma_gemm2_config``)."""
     from .mma_layout import WgmmaConfig
 
     if rows_per_expert <= 48:
@@ -402,14 +402,13 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
 #: GEMM 2 runs the short tails with narrower wgmmas too (``WgmmaConfig.tail_m``). Off: with both
 #: tile variants in one kernel GEMM 2 (255 registers with one) spills 8 bytes, which the planner
 #: refuses (GEMM 1, 233 registers, does not), and the H200 sweep was mixed: GLM-5 experts 7,096 ->
-#: 6,824 us at 4096 tokens, 22,171 -> 22,954 at 16384 (scripts/sweep_moe_tails.py; ~3% noise).
+#: 6,824 us at 4096 tokens, 22,171 -> 22,954 at 16384 (scripts/sweep_moe_tails.py; its spread on
+#: identical configurations was ~6%).
 _GEMM2_TAILS = False
 
 
 def wgmma_gemm2_config(cfg):
     """GEMM 2's configuration on the plan GEMM 1's ``cfg`` was chosen for (``_GEMM2_TAILS``)."""
-    from dataclasses import replace
-
     return cfg if _GEMM2_TAILS else replace(cfg, tail_m=0)
 
 
@@ -509,14 +508,31 @@ def random_moe_problem(T: int, E: int, k: int, H: int, I: int, fmt: str, *, devi
     return MoEProblem(x, w13, w2, ids, wts, b13, b2)
 
 
+def _probe_problem(T: int, fmt: str, *, device, dtype, per_row: bool, bias: bool, hot_rows: int = 0) -> MoEProblem:
+    """The guard's probe layer: T tokens, 5 experts, top-2, H = 128, I = 64, one dropped slot;
+    ``hot_rows`` > 0 routes every token's first slot to expert 0 (T > hot_rows rows there, the
+    rest spread over the others), so that tiles both taller and shorter than ``hot_rows`` run."""
+    p = random_moe_problem(T, 5, 2, 128, 64, fmt, device=device, dtype=dtype, seed=4321, per_row=per_row, bias=bias,
+                           dropped=(3, 1))
+    if hot_rows:
+        ids = p.topk_ids.clone()
+        ids[:, 0] = 0
+        spread = 1 + torch.arange(T, device=ids.device, dtype=ids.dtype) % 4
+        ids[:, 1] = torch.where(ids[:, 1] >= 0, spread, ids[:, 1])  # distinct from slot 0; the dropped slot stays
+        p = replace(p, topk_ids=ids)
+    return p
+
+
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
            mma_config=None):
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
-    biases, one dropped slot), and its reference."""
+    biases, one dropped slot), and its reference. With a tail height (``WgmmaConfig.tail_m``) one
+    expert gets more rows than it, so both of GEMM 1's tile variants run."""
     k, E = 2, 5
-    p = random_moe_problem(7, E, k, 128, 64, fmt, device=device, dtype=dtype, seed=4321, per_row=per_row, bias=bias,
-                           dropped=(3, 1))
-    out = torch.empty((7, 128), dtype=dtype, device=device)
+    tail = getattr(mma_config, "tail_m", 0)
+    T = tail + 8 if tail else 7
+    p = _probe_problem(T, fmt, device=device, dtype=dtype, per_row=per_row, bias=bias, hot_rows=tail)
+    out = torch.empty((T, 128), dtype=dtype, device=device)
     if mma_config is not None:  # the packed-layout path, with the caller's configuration
         packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
         out = _run_packed(p.x, p.w13, p.w2, packed, p.topk_ids, p.topk_weights,

@@ -58,14 +58,21 @@ class QuantizeConfig:
 
     @classmethod
     def from_heuristic(cls, M: int, K: int) -> QuantizeConfig:
-        """Tiles of up to 2048 elements, as wide as the row allows (at most 2048 columns), 32
-        elements per thread (64 threads; about 70 registers on SM90). H200, bf16 [16384, 6144] with
-        a given scale, one run (``scripts/sweep_quantize.py``, benchmarks/raw/sweep-quantize-tiles-h200.json):
-        [1, 2048] x 2 warps 81.6 us, [1, 1024] x 1 82.1, [2, 512] x 1 85.5, [4, 512] x 2 86.9,
-        [8, 512] x 4 91.8, [16, 512] x 8 102.5; 64 elements per thread 95.5 (register-limited
-        occupancy), 16 per thread 140 (half the lanes idle)."""
+        """32 elements per thread (about 70 registers on SM90), as few rows as possible: one row of
+        1024 or 2048 columns, two rows of 512; narrower x (K < 512) in tiles of up to 2048
+        elements. H200, bf16 [16384, 6144] with a given scale (``scripts/sweep_quantize.py``,
+        benchmarks/raw/sweep-quantize-tiles-h200.json and -wide): [1, 2048] x 2 warps 81.6-82.3 us,
+        [1, 1024] x 1 82.1-82.7, [2, 512] x 1 85.5, [2, 1024] x 2 85.6, [4, 512] x 2 86.9,
+        [8, 512] x 4 91.8, [16, 512] x 8 102.5; 64 elements per thread 91-96 (register-limited
+        occupancy), 16 per thread 140 (half the lanes idle). From 512 columns on, the width wastes
+        the fewest columns past K (ties to the wider): K = 6144 takes 2048, K = 2880 1024 (3072
+        columns, not 4096), 5120 and 7168 1024."""
         block_k = min(2048, triton.next_power_of_2(max(K, _CHUNK)))
-        block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 2048 // block_k))
+        if block_k >= 512:
+            block_k = min((w for w in (2048, 1024, 512) if w <= block_k), key=lambda w: (-(-K // w) * w - K, -w))
+            block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 1024 // block_k))
+        else:
+            block_m = min(triton.next_power_of_2(max(M, 1)), 2048 // block_k)
         num_warps = max(1, min(8, block_m * block_k // 1024))
         return cls(block_m=block_m, block_k=block_k, num_warps=num_warps)
 
