@@ -1,6 +1,6 @@
-"""Checks shared by the packed-kernel tests (test_mma_layout.py, test_gemm_wgmma.py): MoE layer
-variants, the MoE layer against its reference on a given kernel, and FP4Linear routing plus
-CUDA-graph capture on a given kernel."""
+"""Checks shared by the packed-kernel tests (test_mma_layout.py, test_gemm_wgmma.py): a packed
+linear launcher against the reference, MoE layer variants, the MoE layer against its reference on
+a given kernel, and FP4Linear routing plus CUDA-graph capture on a given kernel."""
 
 import pytest
 import torch
@@ -8,6 +8,26 @@ import torch
 from fp4moe.formats import MXFP4, NVFP4
 
 FMTS = [NVFP4, MXFP4]
+
+
+def check_packed_linear(launch, configs, fmt, M, N, K):
+    """``launch(x, packed, bias, y, cfg)`` (a packed-layout linear launcher) writes every element of
+    y, finite and within 1e-2 of the reference, for each of ``configs``."""
+    from fp4moe.ops.linear import fp4_linear_reference
+    from fp4moe.ops.mma_layout import pack_mma
+    from fp4moe.quantize import quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = quantize(torch.randn(N, K, device="cuda"), fmt)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    p = pack_mma(w)
+    ref = fp4_linear_reference(x, w, bias).float()
+    for cfg in configs:
+        y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch(x, p, bias, y, cfg)
+        err = (y.float() - ref).abs().max() / ref.abs().max()
+        assert torch.isfinite(y).all() and err < 1e-2, (cfg, err)
 
 
 def moe_variants(*cases):

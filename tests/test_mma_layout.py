@@ -20,7 +20,7 @@ from fp4moe.formats import e4m3_to_e5m3, e5m3_to_e4m3
 from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
                                    unpack_mma)
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
-from layer_checks import FMTS, check_fp4linear_graph, check_moe_layer, moe_variants
+from layer_checks import FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants
 
 # (activation, interleaved, per-row globals, bias)
 MOE_VARIANTS = moe_variants(("silu", False, False, False), ("silu", False, True, True), ("gpt_oss", True, False, True))
@@ -187,21 +187,11 @@ def test_cross_compiles_without_shared_memory():
 @pytest.mark.parametrize("M,N,K", [(1, 64, 256), (3, 80, 320), (16, 200, 1024), (5, 48, 64), (13, 4096, 6144),
                                    (8, 6144, 2048)])
 def test_gpu_kernel_matches_reference(fmt, M, N, K):
-    from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import launch_linear_mma
 
-    torch.manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = quantize(torch.randn(N, K, device="cuda"), fmt)
-    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    p = pack_mma(w)
-    ref = fp4_linear_reference(x, w, bias).float()
-    for cfg in (choose_mma_config(M, N, K), MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3),
-                MMAConfig(rb=1, warps=1, kh=1, block_m=8)):
-        y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        launch_linear_mma(x, p, bias, y, cfg)
-        err = (y.float() - ref).abs().max() / ref.abs().max()
-        assert err < 1e-2, (cfg, err)
+    configs = (choose_mma_config(M, N, K), MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3),
+               MMAConfig(rb=1, warps=1, kh=1, block_m=8))
+    check_packed_linear(launch_linear_mma, configs, fmt, M, N, K)
 
 
 @pytest.mark.gpu
