@@ -222,6 +222,35 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, sc_ptr, wg_ptr, bias_ptr, 
 
 
 @gluon.jit
+def program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, n_tiles_n, KC, n_tiles_m, BLOCK_M: gl.constexpr,
+                 GROUPED: gl.constexpr, GROUP_M: gl.constexpr):
+    """This program's (expert, N tile, first row, row end, K chunks): GROUPED, the dispatch plan's
+    tile pid // n_tiles_n (tiles outer, N inner: concurrent programs share the tile's activations;
+    an unused tile, expert -1, gets no rows and no K chunks); plain, raster groups of GROUP_M
+    activation tiles x all N tiles (weights and activations stay in L2)."""
+    pid = gl.program_id(0)
+    if GROUPED:
+        pid_n = pid % n_tiles_n
+        pid_m = pid // n_tiles_n
+        e = gl.load(tile_expert_ptr + pid_m)
+        row_start = gl.load(tile_start_ptr + pid_m)
+        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)
+        kc_end = gl.where(e >= 0, KC, 0)
+        e = gl.maximum(e, 0)
+    else:
+        per_group = GROUP_M * n_tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        e = 0
+        row_start = pid_m * BLOCK_M
+        row_end = M
+        kc_end = KC
+    return e, pid_n, row_start, row_end, kc_end
+
+
+@gluon.jit
 def fp4_gemm_wgmma_kernel(
     w_desc,  # TMA descriptor of the int32 weight words as [E * N/16, K/64 * 128] (mma_layout's [.., K/64, 32, 4]),
     #          block [16 REPEATS WARPS / 16, 128] (GEMM 1: half that, gate and up blocks copied apart); E = 1 unless GROUPED
@@ -253,30 +282,13 @@ def fp4_gemm_wgmma_kernel(
     gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
     BLOCK_N: gl.constexpr = 16 * NB
 
-    pid = gl.program_id(0)
     KC = K // 64
     if SWIGLU > 0:
         n_tiles_n = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
     else:
         n_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
-    if GROUPED:  # tiles outer, N inner: concurrent programs share the tile's activations
-        pid_n = pid % n_tiles_n
-        pid_m = pid // n_tiles_n
-        e = gl.load(tile_expert_ptr + pid_m)
-        row_start = gl.load(tile_start_ptr + pid_m)
-        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)
-        kc_end = gl.where(e >= 0, KC, 0)  # unused tile: no K steps, nothing stored
-        e = gl.maximum(e, 0)
-    else:  # raster groups of GROUP_M activation tiles x all N tiles
-        per_group = GROUP_M * n_tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
-        e = 0
-        row_start = pid_m * BLOCK_M
-        row_end = M
-        kc_end = KC
+    e, pid_n, row_start, row_end, kc_end = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, n_tiles_n,
+                                                        KC, n_tiles_m, BLOCK_M, GROUPED, GROUP_M)
 
     # the tile: TAIL_M-row wgmmas for an expert's short last tile (or an unused one), else BLOCK_M-row
     # ones; the two variants' shared buffers live in exclusive branches and share the same bytes
