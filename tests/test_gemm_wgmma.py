@@ -43,6 +43,12 @@ def test_config_validation_and_choice():
     assert choose_wgmma_config(1024, 6144, 2048).block_m == 128
     assert choose_wgmma_config(1024, 6144, 2048, sm_count=200).block_m == 256  # fewer SMs, other waves
     assert WGMMA_MIN_M > 16  # decode sizes stay on the mma.sync kernel
+    ws = WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True)
+    assert str(ws) == "wgmma_n128_m256_s4_g8_r1_ws" and not choose_wgmma_config(4096, 12288, 6144).ws
+    for bad in (dict(warps=4, repeats=1), dict(warps=8, repeats=2), dict(warps=8, repeats=1, stages=2),
+                dict(warps=8, repeats=1, block_m=128, tail_m=64)):
+        with pytest.raises(ValueError, match="ws|stages"):
+            WgmmaConfig(ws=True, **bad)
 
 
 def test_moe_config_choice():
@@ -247,6 +253,28 @@ def test_cross_compiles_for_sm90():
         assert r["hgmma"] > 0 and r["hazards"] == [], r  # checked something, found nothing
 
 
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+def test_ws_kernel_cross_compiles_for_sm90(fmt):
+    """The warp-specialized kernel compiles for SM90 under its register cap without spills (the
+    MMA warps' 128 accumulators, the decode warpgroup's budget by setmaxnreg), inside the shared
+    limit and at the model's bytes plus the partitions' little, with wgmma from shared memory on
+    both sides (no decode into wgmma registers) and every copy by TMA."""
+    from fp4moe.arch import get_arch
+    from fp4moe.ops.mma_layout import ws_compile_request, ws_smem_terms
+    from fp4moe.plan.crosscompile import cross_compile
+
+    cfgs = [WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True), WgmmaConfig(block_m=64, warps=8, repeats=1,
+                                                                                  stages=6, ws=True)]
+    results = cross_compile([ws_compile_request(c, fmt, 90, has_bias=True) for c in cfgs])
+    for cfg, r in zip(cfgs, results):
+        assert r.ok, r.error
+        model = sum(each * count for _, each, count in ws_smem_terms(cfg, fmt))
+        assert model <= r.shared <= model + 256 and r.shared <= get_arch("sm90").smem_per_block_optin, (cfg, r.shared)
+        assert r.spill_bytes == 0 and r.registers <= 168, (cfg, r.registers, r.spill_bytes)
+        assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r.mma), r.mma
+        assert r.wgmma_hazards == (), r.wgmma_hazards  # no register operand to collide with
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
@@ -273,7 +301,9 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
     from fp4moe.ops.mma_layout import launch_linear_wgmma
 
     configs = (WgmmaConfig(), WgmmaConfig(block_m=64, stages=3), WgmmaConfig(stages=6, group_m=2, warps=8),
-               WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=4, repeats=1, stages=3))
+               WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=4, repeats=1, stages=3),
+               WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True),
+               WgmmaConfig(block_m=64, warps=8, repeats=1, stages=6, ws=True))
     check_packed_linear(launch_linear_wgmma, configs, fmt, M, N, K)
 
 

@@ -310,6 +310,15 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
 # prefill on Hopper: wgmma with the weights as the register operand (kernels.gemm_wgmma)
 
 
+#: the warp-specialized wgmma kernel (``kernels.gemm_ws``): decoded weight tiles in flight, registers
+#: per thread and warps of its load/decode partition (the launch's register cap fits the SM's 64K
+#: registers, ``ws_maxnreg``; ``setmaxnreg`` gives the MMA warps what the decode partition leaves)
+WS_A_STAGES = 2
+WS_DECODE_REGS = 96
+WS_DECODE_WARPS = 4
+WS_MMA_DEPTH = 1
+
+
 @dataclass(frozen=True)
 class WgmmaConfig:
     """Launch parameters of ``fp4_gemm_wgmma_kernel``: ``warps`` 4 or 8 (one or two warpgroups),
@@ -319,7 +328,9 @@ class WgmmaConfig:
     accumulator holds repeats * block_m / 2 fp32 registers per thread, at most 128), ``stages``
     activation ring depth, ``group_m`` activation tiles per raster group (plain linear only),
     ``tail_m`` (MoE only; 0 = off) the height at which a tile of at most that many rows, an
-    expert's short last tile, runs with narrower wgmmas."""
+    expert's short last tile, runs with narrower wgmmas; ``ws`` the warp-specialized kernel
+    (``kernels.gemm_ws``: a load/decode warpgroup writes the bf16 weight tile to shared memory for
+    the ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus two decoded tiles)."""
 
     block_m: int = 128
     stages: int = 4
@@ -327,9 +338,10 @@ class WgmmaConfig:
     warps: int = 4
     repeats: int = 2
     tail_m: int = 0
+    ws: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_m not in (64, 128, 256):
+        if self.block_m not in (64, 128, 256) and not (self.ws and self.block_m == 192):
             raise ValueError(f"WgmmaConfig.block_m: expected 64, 128 or 256, got {self.block_m}")
         if not 3 <= self.stages <= 8:
             raise ValueError(f"WgmmaConfig.stages: expected 3..8, got {self.stages}")
@@ -346,6 +358,12 @@ class WgmmaConfig:
         if self.tail_m not in (0, 64, 128) or (self.tail_m and self.tail_m >= self.block_m):
             raise ValueError(f"WgmmaConfig.tail_m: expected 0, or 64 or 128 below block_m {self.block_m}, "
                              f"got {self.tail_m}")
+        if self.ws and (self.warps, self.repeats, self.tail_m) != (8, 1, 0):
+            raise ValueError(f"WgmmaConfig.ws: the warp-specialized kernel has 8 MMA warps of one repeat and no "
+                             f"tail tiles, got warps={self.warps} repeats={self.repeats} tail_m={self.tail_m}")
+        if self.ws and self.stages <= WS_A_STAGES:
+            raise ValueError(f"WgmmaConfig.stages: the warp-specialized kernel's TMA ring must be deeper than its "
+                             f"{WS_A_STAGES} decoded tiles, got {self.stages}")
 
     @property
     def block_n(self) -> int:
@@ -353,7 +371,8 @@ class WgmmaConfig:
         return 16 * self.repeats * self.warps
 
     def __str__(self) -> str:
-        tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "")
+        tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "") \
+            + ("_ws" if self.ws else "")
         return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
 
 
@@ -468,6 +487,22 @@ def _w_desc(p: MMAPackedFP4, rows: int):
     return TensorDescriptor.from_tensor(words, [rows, 128], _w_smem_layout())
 
 
+def _s_desc(p: MMAPackedFP4, rows: int):
+    """TMA descriptor of the scale pairs as [blocks, K/64 * S] int16 (S = 32 per 64-K chunk for
+    NVFP4, 16 for MXFP4), [rows, S] boxes: one chunk of ``rows`` 16-row blocks."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    sc = p.scales.view(torch.int16).reshape(p.scales.shape[0], -1)
+    per_chunk = sc.shape[1] // p.words.shape[1]
+    return TensorDescriptor.from_tensor(sc, [rows, per_chunk], _s_smem_layout())
+
+
+def _s_smem_layout():
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
 def _wgmma_consts(p: MMAPackedFP4) -> dict:
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
 
@@ -523,6 +558,49 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                           divisible_by_16=("sc_ptr", "out_ptr", "N", "K", "stride_om"))
 
 
+def ws_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *, has_bias: bool = False):
+    """The cross-compilation request of the warp-specialized kernel (``config.ws``) as the plain
+    linear launches it, register cap included."""
+    from ..formats import get_format
+    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
+    from ..plan.crosscompile import CompileRequest
+
+    if not config.ws:
+        raise ValueError(f"config: expected a warp-specialized configuration (ws=True), got {config}")
+    mx = get_format(fmt) is not NVFP4
+    nb = config.block_n // ROWS
+    signature = {"w_desc": f"tensordesc<i32[{nb}, 128],{_w_smem_layout()!r}>",
+                 "s_desc": f"tensordesc<i16[{nb}, {16 if mx else 32}],{_s_smem_layout()!r}>",
+                 "x_desc": _x_desc_type(config.block_m), "wg_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                 "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32",
+                 "row_w_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32",
+                 "stride_be": "i32", "n_tiles_m": "i32"}
+    constexprs = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, A_STAGES=WS_A_STAGES,
+                      MXFP4=mx, WG_MODE=0 if mx else 1, HAS_BIAS=has_bias, GROUPED=False, SCATTER=False, HAS_RW=False,
+                      FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
+                      GROUP_M=config.group_m, DECODE_REGS=WS_DECODE_REGS, DECODE_WARPS=WS_DECODE_WARPS,
+                      MMA_DEPTH=WS_MMA_DEPTH)
+    return CompileRequest(kernel="fp4moe.kernels.gemm_ws:fp4_gemm_ws_kernel", signature=signature,
+                          constexprs=constexprs, cc=cc, num_warps=config.warps,
+                          divisible_by_16=("out_ptr", "N", "K", "stride_om"),
+                          maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS))
+
+
+def ws_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, int, int]]:
+    """(name, bytes each, count) of the warp-specialized kernel's explicit shared buffers: the TMA
+    ring (activation tile, weight words, scale pairs), the decoded A tiles and the mbarriers
+    (``gl.warp_specialize`` adds a little of its own)."""
+    from ..formats import get_format
+
+    nb = config.block_n // ROWS
+    per_chunk = 16 if get_format(fmt) is not NVFP4 else 32
+    return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
+            ("weight words (TMA)", nb * 32 * 4 * 4, config.stages),
+            ("scale pairs (TMA)", nb * per_chunk * 2, config.stages),
+            ("decoded weight tile (bf16)", config.block_n * KCHUNK * 2, WS_A_STAGES),
+            ("mbarrier", 8, config.stages + 2 * WS_A_STAGES)]
+
+
 def wgmma_smem_terms(config: WgmmaConfig) -> list[tuple[str, int, int]]:
     """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring and the
     weight-word ring (both TMA tiles) and one mbarrier per stage. The
@@ -551,16 +629,35 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
-    fp4_gemm_wgmma_kernel[(tiles_m * triton.cdiv(N, config.block_n),)](
-        _w_desc(p, _w_box_rows(config, False)), p.scales.view(torch.int16), x_desc, x_desc, p.global_scale if p.global_scale is not None else unused,
-        bias if bias is not None else unused, out, unused, unused, unused, unused, unused,
-        M, N, k_stored, out.stride(0), 0, 0, tiles_m,
-        BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
-        HAS_BIAS=bias is not None, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, GROUPED=False, SCATTER=False,
-        HAS_RW=False, OUT_MMA_ORDER=False, GROUP_M=config.group_m, WARPS=config.warps, REPEATS=config.repeats,
-        TAIL_M=0, num_warps=config.warps,
-        **_wgmma_consts(p))
+    args = (_w_desc(p, _w_box_rows(config, False)), p.scales.view(torch.int16), x_desc)
+    rest = (p.global_scale if p.global_scale is not None else unused, bias if bias is not None else unused, out,
+            unused, unused, unused, unused, unused, M, N, k_stored, out.stride(0), 0, 0, tiles_m)
+    consts = dict(BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
+                  HAS_BIAS=bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False, GROUP_M=config.group_m,
+                  WARPS=config.warps, **_wgmma_consts(p))
+    grid = (tiles_m * triton.cdiv(N, config.block_n),)
+    if config.ws:
+        _launch_ws(grid, (args[0], _s_desc(p, config.block_n // ROWS), x_desc) + rest, consts)
+        return out
+    fp4_gemm_wgmma_kernel[grid](*args, x_desc, *rest, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False,
+                                REPEATS=config.repeats, TAIL_M=0, num_warps=config.warps, **consts)
     return out
+
+
+def _launch_ws(grid, args, consts):
+    """``kernels.gemm_ws.fp4_gemm_ws_kernel`` with the module's decoded-tile depth and register split
+    (read at each call: scripts/sweep_wgmma_tiles.py --ws varies them)."""
+    from ..kernels.gemm_ws import fp4_gemm_ws_kernel
+
+    warps = consts["WARPS"] + WS_DECODE_WARPS
+    fp4_gemm_ws_kernel[grid](*args, A_STAGES=WS_A_STAGES, DECODE_REGS=WS_DECODE_REGS, DECODE_WARPS=WS_DECODE_WARPS,
+                             MMA_DEPTH=WS_MMA_DEPTH, num_warps=consts["WARPS"], maxnreg=ws_maxnreg(warps), **consts)
+
+
+def ws_maxnreg(warps: int) -> int:
+    """The register cap that lets one program of ``warps`` warps hold the SM's 64K registers
+    (a multiple of 8, as ``setmaxnreg`` counts): 168 for 12 warps, 128 for 16."""
+    return min(65536 // (32 * warps) // 8 * 8, 255 // 8 * 8)
 
 
 def fuses_activation(n_per_expert: int) -> bool:

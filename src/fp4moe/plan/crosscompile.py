@@ -42,6 +42,7 @@ class CompileRequest:
     num_warps: int = 4
     num_stages: int = 3
     divisible_by_16: tuple[str, ...] = ()  # arguments the runtime would specialise as multiples of 16
+    maxnreg: int | None = None  # the launch's register cap (warp-specialized kernels split it with setmaxnreg)
 
 
 @dataclass(frozen=True)

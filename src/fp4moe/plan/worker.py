@@ -84,6 +84,8 @@ def _compile_one(req: dict) -> dict:
     else:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": req["num_warps"], "num_stages": req["num_stages"]}
+    if req.get("maxnreg"):
+        options["maxnreg"] = req["maxnreg"]
     compiled = triton.compile(src, target=GPUTarget("cuda", req["cc"], 32), options=options)
     ptx = compiled.asm["ptx"]
     mma = mma_instructions(ptx)
