@@ -43,7 +43,6 @@ from .linear_mma import decode_a_operand
 from .moe import _moe_epilogue
 
 
-
 @gluon.jit
 def _ws_load(cn, kc_end, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0):
     """TMA copies of chunk ``cn`` (none at or past kc_end) into ring slot cn % STAGES, whose
@@ -138,17 +137,19 @@ def fp4_gemm_ws_kernel(
     M, N, K, stride_om, stride_ge, stride_be, n_tiles_m,
     BLOCK_M: gl.constexpr,  # activation rows per program: 64, 128 or 256
     WARPS: gl.constexpr,  # MMA warps: 8 (two warpgroups of 64 weight rows: BLOCK_N = 128)
-    STAGES: gl.constexpr,  # TMA ring depth (activation tile + weight words)
+    STAGES: gl.constexpr,  # TMA ring depth (activation tile, weight words, scale pairs)
     A_STAGES: gl.constexpr,  # decoded A tile ring depth
     MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     GROUPED: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
     FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, GROUP_M: gl.constexpr,
-    DECODE_REGS: gl.constexpr,  # registers per thread of the load/decode partition (setmaxnreg)
-    DECODE_WARPS: gl.constexpr,  # 4 or 8 warps in the load/decode partition
+    DECODE_REGS: gl.constexpr,  # registers per thread of the decode partition (setmaxnreg)
+    DECODE_WARPS: gl.constexpr,  # 4 or 8 warps in the decode partition (8: 16 warps, 128 registers: BLOCK_M <= 128)
     MMA_DEPTH: gl.constexpr,  # wgmma groups in flight (< A_STAGES)
 ):
-    """``out = x @ W^T`` (plain) or MoE GEMM 2 (GROUPED: routing weight, scatter), BLOCK_N = 128
-    weight rows x BLOCK_M activation rows per program (module docstring)."""
+    """``out = x @ W^T``, BLOCK_N = 128 weight rows x BLOCK_M activation rows per program (module
+    docstring). The arguments are ``fp4_gemm_wgmma_kernel``'s, but only the plain linear is built:
+    no MoE launcher uses this kernel (GROUPED is refused)."""
+    gl.static_assert(not GROUPED, "the warp-specialized kernel runs the plain linear only")
     BLOCK_N: gl.constexpr = 128
     NB: gl.constexpr = BLOCK_N // 16
     gl.static_assert(A_STAGES > MMA_DEPTH, "the decoder waits for chunk c - A_STAGES, which the MMA releases at "
