@@ -2,8 +2,8 @@
 correctness of each configuration against the reference, then times against torch bf16 ``matmul``
 in the same run. GPU only (SM90).
 Usage: PYTHONPATH=src python3 scripts/sweep_wgmma_tiles.py [--out DIR] [--ms 1024,4096,16384]
-  [--mid | --depth | --ws]   (--ws: the warp-specialized kernel, kernels/gemm_ws.py, against the
-  register-A kernel's heuristic choice, with its decoded-tile depth and decode registers varied)"""
+  [--shapes NxK,...] [--mid | --depth | --ws]   (--ws: the warp-specialized kernel, kernels/gemm_ws.py,
+  against the register-A kernel in the same run)"""
 import argparse
 import json
 import os
@@ -13,7 +13,6 @@ import torch
 from fp4moe.bench.timing import measure_bf16_peak, time_cuda_graph
 from fp4moe.formats import MXFP4, NVFP4
 from fp4moe.ops.linear import fp4_linear_reference
-from fp4moe.ops import mma_layout
 from fp4moe.ops.mma_layout import WgmmaConfig, choose_wgmma_config, launch_linear_wgmma, pack_mma
 from fp4moe.quantize import quantize
 
@@ -28,13 +27,9 @@ MID_CONFIGS = [WgmmaConfig(), WgmmaConfig(block_m=64), WgmmaConfig(block_m=64, w
                WgmmaConfig(block_m=128, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=8, repeats=1),
                WgmmaConfig(block_m=256, warps=8, repeats=1, stages=3)]
 
-#: (config, overrides of the ws kernel's module settings: WS_A_STAGES, WS_DECODE_REGS, WS_DECODE_WARPS,
-#: WS_MMA_DEPTH)
-WS_CONFIGS = [(WgmmaConfig(block_m=256, warps=8, repeats=1, stages=4), {})] + [
-    (WgmmaConfig(block_m=bm, warps=8, repeats=1, stages=s, ws=True),
-     dict(WS_A_STAGES=a, WS_DECODE_REGS=d, WS_DECODE_WARPS=dw, WS_MMA_DEPTH=md))
-    for bm, s, a, d, dw, md in [(256, 4, 2, 96, 4, 1), (256, 5, 2, 96, 4, 1), (256, 4, 3, 96, 4, 2),
-                                (128, 6, 2, 96, 4, 1), (64, 8, 3, 96, 4, 2)]]
+#: the warp-specialized kernel against the register-A kernel's 256- and 128-row tiles
+WS_CONFIGS = [WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=128, warps=8, repeats=1)] + [
+    WgmmaConfig(block_m=bm, warps=8, repeats=1, stages=s, ws=True) for bm, s in [(256, 4), (256, 5), (128, 6), (64, 8)]]
 
 DEPTH_CONFIGS = [WgmmaConfig(block_m=256, warps=8, repeats=1, stages=s, group_m=g) for s in (3, 4, 5, 6) for g in (8, 16)]
 
@@ -55,19 +50,10 @@ def main():
     if args.depth:
         CONFIGS = DEPTH_CONFIGS
         args.ms = "4096,16384"
-    variants = [(c, {}) for c in CONFIGS] if not args.ws else WS_CONFIGS
-    if args.ws and args.ms == ap.get_default("ms"):
-        args.ms = "256,1024,4096,16384"
-
-    def name(v):
-        c, o = v
-        return str(c) + "".join(f"_{k[3:].lower()}{val}" for k, val in o.items())
-
-    def launch(x, p, b, y, v):
-        c, o = v
-        for k, val in o.items():
-            setattr(mma_layout, k, val)
-        return launch_linear_wgmma(x, p, b, y, c)
+    if args.ws:
+        CONFIGS = WS_CONFIGS
+        if args.ms == ap.get_default("ms"):
+            args.ms = "256,1024,4096,16384"
     dev = "cuda"
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "time": []}
@@ -80,17 +66,17 @@ def main():
             p = pack_mma(w)
             ref = fp4_linear_reference(x, w, b).float()
             first = None
-            for v in variants:
+            for c in CONFIGS:
                 y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
-                launch(x, p, b, y, v)
+                launch_linear_wgmma(x, p, b, y, c)
                 err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                 ok = err < 2e-2 and bool(torch.isfinite(y).all())
                 first = y if first is None else first
                 same = bool(torch.equal(y, first))  # the same products in the same K order as the first
-                res["checks"].append(dict(fmt=str(fmt), M=M, N=N, K=K, cfg=name(v), rel_err=err, ok=ok,
+                res["checks"].append(dict(fmt=str(fmt), M=M, N=N, K=K, cfg=str(c), rel_err=err, ok=ok,
                                           equal_to_first=same))
                 if not ok:
-                    print("FAIL", fmt, M, N, K, name(v), err, flush=True)
+                    print("FAIL", fmt, M, N, K, c, err, flush=True)
     print("checks", len(res["checks"]), "failed", sum(not r["ok"] for r in res["checks"]),
           "differ from the first configuration", sum(not r["equal_to_first"] for r in res["checks"]), flush=True)
     peak = measure_bf16_peak()
@@ -104,9 +90,9 @@ def main():
             y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
             row = dict(N=N, K=K, M=M, heuristic=str(choose_wgmma_config(M, N, K)),
                        torch_us=time_cuda_graph(lambda: torch.matmul(x, wb.t()), iters_per_graph=10, reps=10).median_us)
-            for v in variants:
-                row[name(v)] = time_cuda_graph(lambda: launch(x, p, None, y, v), iters_per_graph=10,
-                                               reps=10).median_us
+            for c in CONFIGS:
+                row[str(c)] = time_cuda_graph(lambda: launch_linear_wgmma(x, p, None, y, c), iters_per_graph=10,
+                                              reps=10).median_us
             best = min((v, k) for k, v in row.items() if k.startswith("wgmma"))
             print(f"{N}x{K} M={M}: torch {row['torch_us']:.1f} best {best[1]} {best[0]:.1f} us "
                   f"({row['torch_us'] / best[0]:.2f}x, {2 * M * N * K / best[0] / 1e6:.0f} TFLOP/s) | "

@@ -260,12 +260,12 @@ def test_ws_kernel_cross_compiles_for_sm90(fmt):
     limit and at the model's bytes plus the partitions' little, with wgmma from shared memory on
     both sides (no decode into wgmma registers) and every copy by TMA."""
     from fp4moe.arch import get_arch
-    from fp4moe.ops.mma_layout import ws_compile_request, ws_smem_terms
+    from fp4moe.ops.mma_layout import wgmma_compile_request, ws_smem_terms
     from fp4moe.plan.crosscompile import cross_compile
 
     cfgs = [WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True), WgmmaConfig(block_m=64, warps=8, repeats=1,
                                                                                   stages=6, ws=True)]
-    results = cross_compile([ws_compile_request(c, fmt, 90, has_bias=True) for c in cfgs])
+    results = cross_compile([wgmma_compile_request(c, fmt, 90, has_bias=True) for c in cfgs])
     for cfg, r in zip(cfgs, results):
         assert r.ok, r.error
         model = sum(each * count for _, each, count in ws_smem_terms(cfg, fmt))

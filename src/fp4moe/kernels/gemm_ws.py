@@ -1,6 +1,7 @@
 """Prefill FP4 GEMM for Hopper (SM90), warp-specialized: a decode warpgroup feeds shared-memory
-wgmma (Gluon). Opt-in (``WgmmaConfig(ws=True)``): on the H200 it is 4-15% slower than the
-register-A kernel it was built to beat (benchmarks/README.md), so no heuristic chooses it.
+wgmma (Gluon). Opt-in (``WgmmaConfig(ws=True)``): on the H200 it is ~10% slower (3-32% over the
+GLM-5 shapes and M = 256..16384) than the register-A kernel it was built to beat
+(benchmarks/README.md), so no heuristic chooses it.
 
 ``gemm_wgmma`` decodes the FP4 weights on the warps that issue the wgmmas, into the register A
 operand, so the decode and the barrier waits sit on the tensor cores' critical path. Here each
@@ -9,10 +10,10 @@ program splits into two partitions (``gl.warp_specialize``):
   MMA (the default partition, WARPS = 8 warps, two warpgroups of 64 weight rows): issues the TMA
       copies of chunk c (activation tile, weight words, scale pairs) into ring slot c % STAGES on
       ``ready``; waits for chunk c's activations and its decoded A tile (``a_ready``), issues the
-      wgmma with both operands in shared memory, keeps MMA_DEPTH groups in flight, and once a
-      wait retires chunk c - MMA_DEPTH releases its A slot (``a_empty``) and refills its TMA slot
-      with chunk c - MMA_DEPTH + STAGES. Then the epilogue, in the accumulator's layout.
-  decode (DECODE_WARPS warps, registers set by ``setmaxnreg``): waits ``ready``, reads the slot's
+      wgmma with both operands in shared memory, keeps one group in flight, and once the wait
+      retires chunk c - 1 releases its A slot (``a_empty``) and refills its TMA slot with chunk
+      c - 1 + STAGES. Then the epilogue, in the accumulator's layout.
+  decode (one warpgroup, registers set by ``setmaxnreg``): waits ``ready``, reads the slot's
       weight words and scales, decodes them (``linear_mma.decode_a_operand``, the registers of the
       register-A kernel), waits ``a_empty``, stores the bf16 A tile [128, 64] in the 128-byte
       swizzle (stmatrix), fences, arrives ``a_ready`` (which also tells the MMA partition that the
@@ -25,12 +26,13 @@ operands from shared memory also removes the Triton 3.6 register-A hazard
 
 What bounds it (H200, scripts/sweep_wgmma_tiles.py --ws): about 1,100 cycles per 64-K chunk
 whatever the tile height (64-row tiles take twice as long per FLOP as 128-row ones), the decode
-warps (4 or 8), the A ring depth, the wgmma groups in flight or the TMA lead: the decode
+warps (4 or 8), the A ring depth, the wgmma groups in flight or the TMA lead (all tried): the decode
 partition's per-chunk chain of mbarrier waits, partition barriers, the proxy fence (ptxas:
 MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) and arrives. Two things were removed from that chain and each
 helped: global loads (the fence waited for the scale loads in flight, ~1,300 cycles a chunk: the
 scales now come by TMA) and the TMA issue (now on the MMA warps). A 256-row tile needs ~1,024
-cycles of MMA per chunk, so the chain still shows. Next: one decode iteration per two chunks.
+cycles of MMA per chunk, so the chain still shows. Sharing one chain between two chunks (tried,
+not kept) shortened it per chunk but not enough: notes/linear-perf.md.
 """
 
 from triton.experimental import gluon
@@ -63,8 +65,8 @@ def _ws_load(cn, kc_end, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, 
 
 @gluon.jit
 def _ws_decoder(w_smem, s_smem, a_smem, ready, a_ready, a_empty, kc_end, MXFP4: gl.constexpr,
-                DECODE: gl.constexpr, SCALE: gl.constexpr, DW: gl.constexpr):
-    """Decode partition (DW warps): chunk c's weight words and scales -> the bf16 A tile [16 NB, 64]
+                DECODE: gl.constexpr, SCALE: gl.constexpr):
+    """Decode partition (one warpgroup): chunk c's weight words and scales -> the bf16 A tile [16 NB, 64]
     in MMA K order, in ring slot c % A_STAGES of ``a_smem`` (its ``a_ready`` also tells the MMA
     partition that the words were read, so that it may refill their slot). Its
     loop is one chain of waits, barriers and the proxy fence per chunk, so it issues nothing else:
@@ -73,7 +75,8 @@ def _ws_decoder(w_smem, s_smem, a_smem, ready, a_ready, a_empty, kc_end, MXFP4: 
     chunk)."""
     STAGES: gl.constexpr = w_smem.shape[0]
     A_STAGES: gl.constexpr = a_smem.shape[0]
-    NB: gl.constexpr = w_smem.shape[1]  # 16-row blocks: NB / DW per warp
+    NB: gl.constexpr = w_smem.shape[1]  # 16-row blocks: two per warp
+    DW: gl.constexpr = 4
     parent: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[DW, 1], instr_shape=[16, 64, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=parent, k_width=2)
     w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
@@ -101,10 +104,10 @@ def _ws_decoder(w_smem, s_smem, a_smem, ready, a_ready, a_empty, kc_end, MXFP4: 
 
 @gluon.jit
 def _ws_mma(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, a_smem, ready, a_ready, a_empty, row_start, rb0,
-            kc_end, BLOCK_M: gl.constexpr, WARPS: gl.constexpr, DEPTH: gl.constexpr):
+            kc_end, BLOCK_M: gl.constexpr, WARPS: gl.constexpr):
     """MMA partition (the default, WARPS warps): chunk c's wgmma from the A and activation slots,
-    DEPTH groups in flight; once chunk c's wait retires chunk c - DEPTH, its A slot is released and
-    its TMA slot refilled with chunk c - DEPTH + STAGES."""
+    one group in flight; once chunk c's wait retires chunk c - 1, its A slot is released and its
+    TMA slot refilled with chunk c - 1 + STAGES."""
     STAGES: gl.constexpr = x_smem.shape[0]
     A_STAGES: gl.constexpr = a_smem.shape[0]
     BLOCK_N: gl.constexpr = a_smem.shape[1]
@@ -119,10 +122,10 @@ def _ws_mma(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, a_smem, ready, a_rea
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
         mbarrier.wait(a_ready.index(a_slot), (c // A_STAGES) & 1)
         acc = warpgroup_mma(a_smem.index(a_slot), x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(DEPTH, deps=[acc])
-        mbarrier.arrive(a_empty.index((c + A_STAGES - DEPTH) % A_STAGES), count=1, pred=c >= DEPTH)
-        _ws_load(gl.where(c >= DEPTH, c - DEPTH + STAGES, kc_end), kc_end, x_desc, w_desc, s_desc, x_smem, w_smem,
-                 s_smem, ready, row_start, rb0)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        mbarrier.arrive(a_empty.index((c + A_STAGES - 1) % A_STAGES), count=1, pred=c > 0)
+        _ws_load(gl.where(c > 0, c - 1 + STAGES, kc_end), kc_end, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem,
+                 ready, row_start, rb0)
     acc = warpgroup_mma_wait(0, deps=[acc])
     return (acc,)  # the default partition's results are a tuple
 
@@ -142,9 +145,7 @@ def fp4_gemm_ws_kernel(
     MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr,
     GROUPED: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr,
     FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, GROUP_M: gl.constexpr,
-    DECODE_REGS: gl.constexpr,  # registers per thread of the decode partition (setmaxnreg)
-    DECODE_WARPS: gl.constexpr,  # 4 or 8 warps in the decode partition (8: 16 warps, 128 registers: BLOCK_M <= 128)
-    MMA_DEPTH: gl.constexpr,  # wgmma groups in flight (< A_STAGES)
+    DECODE_REGS: gl.constexpr,  # registers per thread of the decode warpgroup (setmaxnreg)
 ):
     """``out = x @ W^T``, BLOCK_N = 128 weight rows x BLOCK_M activation rows per program (module
     docstring). The arguments are ``fp4_gemm_wgmma_kernel``'s, but only the plain linear is built:
@@ -152,9 +153,9 @@ def fp4_gemm_ws_kernel(
     gl.static_assert(not GROUPED, "the warp-specialized kernel runs the plain linear only")
     BLOCK_N: gl.constexpr = 128
     NB: gl.constexpr = BLOCK_N // 16
-    gl.static_assert(A_STAGES > MMA_DEPTH, "the decoder waits for chunk c - A_STAGES, which the MMA releases at "
-                     "chunk c - A_STAGES + MMA_DEPTH: at least one more decoded tile than wgmma groups in flight")
-    gl.static_assert(STAGES > MMA_DEPTH, "the TMA ring holds the chunks in flight")
+    gl.static_assert(A_STAGES >= 2, "the decoder waits for chunk c - A_STAGES, which the MMA releases at chunk "
+                     "c - A_STAGES + 1: one decoded tile would deadlock")
+    gl.static_assert(STAGES >= 2, "the TMA ring holds the chunk in flight and the next")
     KC = K // 64
     e, pid_n, row_start, row_end, kc_end = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M,
                                                         (N + BLOCK_N - 1) // BLOCK_N, KC, n_tiles_m, BLOCK_M,
@@ -177,10 +178,9 @@ def fp4_gemm_ws_kernel(
 
     acc = gl.warp_specialize([
         (_ws_mma, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, a_smem, ready, a_ready, a_empty, row_start,
-                   e * NRB + pid_n * NB, kc_end, BLOCK_M, WARPS, MMA_DEPTH)),
-        (_ws_decoder, (w_smem, s_smem, a_smem, ready, a_ready, a_empty, kc_end, MXFP4, DECODE, SCALE,
-                       DECODE_WARPS)),
-    ], [DECODE_WARPS], [DECODE_REGS])[0]
+                   e * NRB + pid_n * NB, kc_end, BLOCK_M, WARPS)),
+        (_ws_decoder, (w_smem, s_smem, a_smem, ready, a_ready, a_empty, kc_end, MXFP4, DECODE, SCALE)),
+    ], [4], [DECODE_REGS])[0]
 
     epi: gl.constexpr = acc.type.layout
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, epi))

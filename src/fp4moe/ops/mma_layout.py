@@ -310,13 +310,13 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
 # prefill on Hopper: wgmma with the weights as the register operand (kernels.gemm_wgmma)
 
 
-#: the warp-specialized wgmma kernel (``kernels.gemm_ws``): decoded weight tiles in flight, registers
-#: per thread and warps of its load/decode partition (the launch's register cap fits the SM's 64K
-#: registers, ``ws_maxnreg``; ``setmaxnreg`` gives the MMA warps what the decode partition leaves)
+#: the warp-specialized wgmma kernel (``kernels.gemm_ws``): decoded weight tiles in flight and
+#: registers per thread of its decode warpgroup (the launch's register cap, ``ws_maxnreg``, fits the
+#: SM's registers; ``setmaxnreg`` gives the MMA warps what the decode warpgroup leaves). H200, session
+#: 6: 3 tiles, 80 or 112 registers, 8 decode warps or 2 wgmma groups in flight were no faster.
 WS_A_STAGES = 2
 WS_DECODE_REGS = 96
-WS_DECODE_WARPS = 4
-WS_MMA_DEPTH = 1
+WS_DECODE_WARPS = 4  # the kernel's decode partition (``gl.warp_specialize`` in kernels/gemm_ws.py)
 
 
 @dataclass(frozen=True)
@@ -329,8 +329,8 @@ class WgmmaConfig:
     activation ring depth, ``group_m`` activation tiles per raster group (plain linear only),
     ``tail_m`` (MoE only; 0 = off) the height at which a tile of at most that many rows, an
     expert's short last tile, runs with narrower wgmmas; ``ws`` the warp-specialized kernel
-    (``kernels.gemm_ws``: a load/decode warpgroup writes the bf16 weight tile to shared memory for
-    the ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus two decoded tiles)."""
+    (``kernels.gemm_ws``: a decode warpgroup writes the bf16 weight tile to shared memory for the
+    ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus ``WS_A_STAGES`` decoded tiles)."""
 
     block_m: int = 128
     stages: int = 4
@@ -341,7 +341,7 @@ class WgmmaConfig:
     ws: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_m not in (64, 128, 256) and not (self.ws and self.block_m == 192):
+        if self.block_m not in (64, 128, 256):
             raise ValueError(f"WgmmaConfig.block_m: expected 64, 128 or 256, got {self.block_m}")
         if not 3 <= self.stages <= 8:
             raise ValueError(f"WgmmaConfig.stages: expected 3..8, got {self.stages}")
@@ -363,7 +363,7 @@ class WgmmaConfig:
                              f"tail tiles, got warps={self.warps} repeats={self.repeats} tail_m={self.tail_m}")
         if self.ws and self.stages <= WS_A_STAGES:
             raise ValueError(f"WgmmaConfig.stages: the warp-specialized kernel's TMA ring must be deeper than its "
-                             f"{WS_A_STAGES} decoded tiles, got {self.stages}")
+                             f"{WS_A_STAGES} decoded tiles (the copies' lead is the difference), got {self.stages}")
 
     @property
     def block_n(self) -> int:
@@ -498,16 +498,28 @@ def _s_desc(p: MMAPackedFP4, rows: int):
 
 
 def _s_smem_layout():
+    """The scale-pair ring's shared layout: plain int16 rows, as TMA copies them."""
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-def _wgmma_consts(p: MMAPackedFP4) -> dict:
+def _decode_consts(fmt: FP4Format | str) -> dict:
+    """The FP4 decode constexprs of the wgmma kernels for ``fmt`` (MXFP4 flag, scale fold, asm)."""
+    from ..formats import get_format
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
 
-    mx = p.fmt is not NVFP4
+    mx = get_format(fmt) is not NVFP4
     return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx))
+
+
+def _epilogue_signature(out_type: str) -> dict[str, str]:
+    """Signature types of the wgmma kernels' arguments from ``wg_ptr`` on (the epilogue's, the
+    dispatch plan's and the sizes), shared by both kernels."""
+    return {"wg_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": out_type, "tile_expert_ptr": "*i32",
+            "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
+            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32",
+            "n_tiles_m": "i32"}
 
 
 def _x_smem_layout():
@@ -526,64 +538,41 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                           has_bias: bool = False, wg_mode: int | None = None):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the wgmma kernel as the
     launchers call it: ``gemm`` "linear" (plain), "gemm1" (MoE GEMM 1: gather pass, SwiGLU, h in
-    MMA order) or "gemm2" (MoE GEMM 2: routing weight, fp32 scatter). ``wg_mode``: global scales
+    MMA order) or "gemm2" (MoE GEMM 2: routing weight, fp32 scatter); with ``config.ws`` the
+    warp-specialized kernel (plain linear only), register cap included. ``wg_mode``: global scales
     (default: one per weight for an NVFP4 linear, per expert for NVFP4 MoE, none for MXFP4)."""
-    from ..formats import get_format
-    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
     from ..plan.crosscompile import CompileRequest
 
     if gemm not in ("linear", "gemm1", "gemm2"):
         raise ValueError(f"gemm: expected 'linear', 'gemm1' or 'gemm2', got {gemm!r}")
-    mx = get_format(fmt) is not NVFP4
+    consts = _decode_consts(fmt)
     if wg_mode is None:
-        wg_mode = 0 if mx else 1
+        wg_mode = 0 if consts["MXFP4"] else 1
     if gemm == "linear" and config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config} for the plain linear")
+    common = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, WG_MODE=wg_mode,
+                  HAS_BIAS=has_bias, GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
+                  GROUP_M=config.group_m if gemm == "linear" else 1, **consts)
     w_rows = _w_box_rows(config, gemm == "gemm1")
-    signature = {"w_desc": f"tensordesc<i32[{w_rows}, 128],{_w_smem_layout()!r}>", "sc_ptr": "*i16",
-                 "x_desc": _x_desc_type(config.block_m),
-                 "x_tail_desc": _x_desc_type(config.tail_m or config.block_m), "wg_ptr": "*fp32",
-                 "bias_ptr": "*bf16", "out_ptr": "*fp32" if gemm == "gemm2" else "*bf16", "tile_expert_ptr": "*i32",
-                 "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
-                 "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32",
-                 "n_tiles_m": "i32"}
-    constexprs = dict(BLOCK_M=config.block_m, WARPS=config.warps, REPEATS=config.repeats, STAGES=config.stages,
-                      MXFP4=mx, WG_MODE=wg_mode,
-                      HAS_BIAS=has_bias, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
-                      GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
-                      OUT_MMA_ORDER=gemm == "gemm1", FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
-                      SCALE=scale_asm(mx), GROUP_M=config.group_m if gemm == "linear" else 1, TAIL_M=config.tail_m)
+    w_type = f"tensordesc<i32[{w_rows}, 128],{_w_smem_layout()!r}>"
+    if config.ws:
+        if gemm != "linear":
+            raise ValueError(f"config: the warp-specialized kernel runs the plain linear only, got gemm={gemm!r}")
+        s_type = f"tensordesc<i16[{w_rows}, {16 if consts['MXFP4'] else 32}],{_s_smem_layout()!r}>"
+        signature = {"w_desc": w_type, "s_desc": s_type, "x_desc": _x_desc_type(config.block_m),
+                     **_epilogue_signature("*bf16")}
+        return CompileRequest(kernel="fp4moe.kernels.gemm_ws:fp4_gemm_ws_kernel", signature=signature,
+                              constexprs=dict(common, A_STAGES=WS_A_STAGES, DECODE_REGS=WS_DECODE_REGS), cc=cc,
+                              num_warps=config.warps, divisible_by_16=("out_ptr", "N", "K", "stride_om"),
+                              maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS))
+    signature = {"w_desc": w_type, "sc_ptr": "*i16", "x_desc": _x_desc_type(config.block_m),
+                 "x_tail_desc": _x_desc_type(config.tail_m or config.block_m),
+                 **_epilogue_signature("*fp32" if gemm == "gemm2" else "*bf16")}
+    constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
+                      OUT_MMA_ORDER=gemm == "gemm1", TAIL_M=config.tail_m)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("sc_ptr", "out_ptr", "N", "K", "stride_om"))
-
-
-def ws_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *, has_bias: bool = False):
-    """The cross-compilation request of the warp-specialized kernel (``config.ws``) as the plain
-    linear launches it, register cap included."""
-    from ..formats import get_format
-    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
-    from ..plan.crosscompile import CompileRequest
-
-    if not config.ws:
-        raise ValueError(f"config: expected a warp-specialized configuration (ws=True), got {config}")
-    mx = get_format(fmt) is not NVFP4
-    nb = config.block_n // ROWS
-    signature = {"w_desc": f"tensordesc<i32[{nb}, 128],{_w_smem_layout()!r}>",
-                 "s_desc": f"tensordesc<i16[{nb}, {16 if mx else 32}],{_s_smem_layout()!r}>",
-                 "x_desc": _x_desc_type(config.block_m), "wg_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                 "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32",
-                 "row_w_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32",
-                 "stride_be": "i32", "n_tiles_m": "i32"}
-    constexprs = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, A_STAGES=WS_A_STAGES,
-                      MXFP4=mx, WG_MODE=0 if mx else 1, HAS_BIAS=has_bias, GROUPED=False, SCATTER=False, HAS_RW=False,
-                      FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
-                      GROUP_M=config.group_m, DECODE_REGS=WS_DECODE_REGS, DECODE_WARPS=WS_DECODE_WARPS,
-                      MMA_DEPTH=WS_MMA_DEPTH)
-    return CompileRequest(kernel="fp4moe.kernels.gemm_ws:fp4_gemm_ws_kernel", signature=signature,
-                          constexprs=constexprs, cc=cc, num_warps=config.warps,
-                          divisible_by_16=("out_ptr", "N", "K", "stride_om"),
-                          maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS))
 
 
 def ws_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, int, int]]:
@@ -629,35 +618,32 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
-    args = (_w_desc(p, _w_box_rows(config, False)), p.scales.view(torch.int16), x_desc)
+    w_desc = _w_desc(p, _w_box_rows(config, False))
     rest = (p.global_scale if p.global_scale is not None else unused, bias if bias is not None else unused, out,
             unused, unused, unused, unused, unused, M, N, k_stored, out.stride(0), 0, 0, tiles_m)
     consts = dict(BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
                   HAS_BIAS=bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False, GROUP_M=config.group_m,
-                  WARPS=config.warps, **_wgmma_consts(p))
+                  WARPS=config.warps, **_decode_consts(p.fmt))
     grid = (tiles_m * triton.cdiv(N, config.block_n),)
     if config.ws:
-        _launch_ws(grid, (args[0], _s_desc(p, config.block_n // ROWS), x_desc) + rest, consts)
+        from ..kernels.gemm_ws import fp4_gemm_ws_kernel
+
+        fp4_gemm_ws_kernel[grid](w_desc, _s_desc(p, config.block_n // ROWS), x_desc, *rest, A_STAGES=WS_A_STAGES,
+                                 DECODE_REGS=WS_DECODE_REGS, num_warps=config.warps,
+                                 maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS), **consts)
         return out
-    fp4_gemm_wgmma_kernel[grid](*args, x_desc, *rest, SWIGLU=0, ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False,
-                                REPEATS=config.repeats, TAIL_M=0, num_warps=config.warps, **consts)
+    fp4_gemm_wgmma_kernel[grid](w_desc, p.scales.view(torch.int16), x_desc, x_desc, *rest, SWIGLU=0, ALPHA=0.0,
+                                LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
+                                num_warps=config.warps, **consts)
     return out
 
 
-def _launch_ws(grid, args, consts):
-    """``kernels.gemm_ws.fp4_gemm_ws_kernel`` with the module's decoded-tile depth and register split
-    (read at each call: scripts/sweep_wgmma_tiles.py --ws varies them)."""
-    from ..kernels.gemm_ws import fp4_gemm_ws_kernel
-
-    warps = consts["WARPS"] + WS_DECODE_WARPS
-    fp4_gemm_ws_kernel[grid](*args, A_STAGES=WS_A_STAGES, DECODE_REGS=WS_DECODE_REGS, DECODE_WARPS=WS_DECODE_WARPS,
-                             MMA_DEPTH=WS_MMA_DEPTH, num_warps=consts["WARPS"], maxnreg=ws_maxnreg(warps), **consts)
-
-
 def ws_maxnreg(warps: int) -> int:
-    """The register cap that lets one program of ``warps`` warps hold the SM's 64K registers
-    (a multiple of 8, as ``setmaxnreg`` counts): 168 for 12 warps, 128 for 16."""
-    return min(65536 // (32 * warps) // 8 * 8, 255 // 8 * 8)
+    """The register cap under which one program of ``warps`` warps fits an SM90's register file, a
+    multiple of 8 as ``setmaxnreg`` counts (12 warps: 168)."""
+    from ..arch import get_arch
+
+    return get_arch("sm90").regs_per_sm // (32 * warps) // 8 * 8
 
 
 def fuses_activation(n_per_expert: int) -> bool:
@@ -724,5 +710,5 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None, SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
         OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, TAIL_M=config.tail_m,
-        num_warps=config.warps, **_wgmma_consts(p))
+        num_warps=config.warps, **_decode_consts(p.fmt))
     return out
