@@ -12,7 +12,9 @@ FMTS = [NVFP4, MXFP4]
 
 def check_packed_linear(launch, configs, fmt, M, N, K):
     """``launch(x, packed, bias, y, cfg)`` (a packed-layout linear launcher) writes every element of
-    y, finite and within 1e-2 of the reference, for each of ``configs``."""
+    y, finite and within 1e-2 of the reference, and a second launch the same bits (for a PDL
+    configuration the second is the one that requests weights before waiting), for each of
+    ``configs``."""
     from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import pack_mma
     from fp4moe.quantize import quantize
@@ -28,6 +30,9 @@ def check_packed_linear(launch, configs, fmt, M, N, K):
         launch(x, p, bias, y, cfg)
         err = (y.float() - ref).abs().max() / ref.abs().max()
         assert torch.isfinite(y).all() and err < 1e-2, (cfg, err)
+        y2 = torch.full_like(y, float("nan"))
+        launch(x, p, bias, y2, cfg)
+        assert torch.equal(y, y2), cfg
 
 
 def moe_variants(*cases):

@@ -4,7 +4,9 @@ On CPU: the layout is an exact re-ordering (round trip), the scale re-encoding g
 patterns the kernel's multiply-add expects, and a bit-level model of the kernel's PTX decoder,
 applied to the packed words, gives every weight value at the fragment position the layout
 documents. Cross-compilation: the kernel builds for sm_80/90/120 with no shared memory at all (the
-operand conversions are asserted trivial) and no spills. GPU: against the reference.
+operand conversions are asserted trivial) and no spills; its in-program K split variant from sm_80 to
+sm_120 with shared memory only for the partial tiles, PDL from sm_90; the decode heuristic's register
+table is what ptxas reports. GPU: against the reference, and deterministic.
 """
 
 import json
@@ -123,14 +125,61 @@ def test_decoder_model_gives_the_documented_fragments(fmt):
 
 
 def test_choose_mma_config():
-    c1, c16 = choose_mma_config(1, 12288, 6144), choose_mma_config(16, 12288, 6144)
-    assert (c1.block_m, c1.block_n) == (8, 64) and (c16.block_m, c16.block_n) == (16, 128)
-    for c in (c1, c16, choose_mma_config(3, 6144, 2048), choose_mma_config(16, 4096, 64)):
-        assert 1 <= c.split_k <= 8
+    """Decode splits K over warp groups of one program (one launch, PDL on SM90+), every program
+    resident at once, each warp at least two loop steps; K too short for that: the grid split."""
+    from fp4moe.ops.mma_layout import KW_REGISTERS, _fit_kw
+
+    for M, N, K in [(1, 12288, 6144), (16, 12288, 6144), (3, 6144, 2048), (9, 4096, 6144), (1, 6144, 12288),
+                    (16, 6144, 2048), (1, 200, 1024)]:
+        for fmt in ("nvfp4", "mxfp4"):
+            c = choose_mma_config(M, N, K, 132, fmt=fmt)
+            assert c.block_m == (8 if M <= 8 else 16) and c.kw >= 2 and c.split_k == 1 and c.pdl == 2, c
+            chunks = K // 64
+            assert _fit_kw(c, chunks) == (c.kh, c.kw) and chunks // (c.kh * c.kw) >= 2, c
+            regs = -(-KW_REGISTERS[(fmt == "mxfp4", c.block_m, c.rb, c.kh, c.kw)] // 8) * 8
+            per_sm = min(65536 // (regs * 32 * c.kw), 2048 // (32 * c.kw))
+            assert -(-N // c.block_n) * -(-M // c.block_m) <= 132 * per_sm or N <= 16 * 132, c  # one wave
+    assert choose_mma_config(1, 12288, 6144, pdl=False).pdl == 0
+    assert str(choose_mma_config(1, 12288, 6144)) == "mma_n16_m8_k256_w1_kw4_pdl2"  # the H200 sweep's best
+    short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
+    assert short.kw == 1 and short.split_k == 1 and not short.pdl
     with pytest.raises(ValueError, match="block_m"):
         MMAConfig(block_m=12)
     with pytest.raises(ValueError, match="kh"):
         MMAConfig(kh=3)
+    with pytest.raises(ValueError, match="kw"):
+        MMAConfig(kw=3)
+    with pytest.raises(ValueError, match="not both"):
+        MMAConfig(kw=2, split_k=2)
+    with pytest.raises(ValueError, match="at most 16"):
+        MMAConfig(warps=4, kw=8)
+    with pytest.raises(ValueError, match="pdl"):
+        MMAConfig(pdl=1)
+    with pytest.raises(ValueError, match="pdl"):
+        MMAConfig(kw=2, pdl=3)
+    assert str(MMAConfig(rb=2, warps=1, kh=2, block_m=16, kw=8, pdl=1)) == "mma_n32_m16_k128_w1_kw8_pdl"
+
+
+def test_fit_kw_gives_every_slice_whole_steps():
+    from fp4moe.ops.mma_layout import _fit_kw
+
+    assert _fit_kw(MMAConfig(kh=4, kw=8, warps=1), 96) == (4, 8)
+    assert _fit_kw(MMAConfig(kh=4, kw=8, warps=1), 5) == (1, 1)  # K = 320: one chunk per step, one slice
+    assert _fit_kw(MMAConfig(kh=4, kw=8, warps=1), 24) == (4, 2)
+    assert _fit_kw(MMAConfig(kh=4, kw=8, warps=1), 12) == (4, 1)  # kw gives way before kh
+    assert _fit_kw(MMAConfig(kh=2, kw=4, warps=1), 2) == (2, 1)
+
+
+def test_kw_register_table_matches_ptxas():
+    """``KW_REGISTERS`` (the decode heuristic's occupancy model) is what ptxas gives for sm_90."""
+    from fp4moe.ops.mma_layout import KW_REGISTERS, mma_compile_request
+    from fp4moe.plan.crosscompile import cross_compile
+
+    keys = sorted(KW_REGISTERS)
+    reqs = [mma_compile_request(MMAConfig(rb=rb, warps=1, kh=kh, block_m=bm, kw=kw, pdl=2), "mxfp4" if mx else "nvfp4",
+                                90, 12288) for (mx, bm, rb, kh, kw) in keys]
+    got = {k: (r.registers, r.spill_bytes, r.ok) for k, r in zip(keys, cross_compile(reqs))}
+    assert {k: v for k, v in got.items() if v != (KW_REGISTERS[k], 0, True)} == {}
 
 
 _COMPILE = r"""
@@ -178,6 +227,59 @@ def test_cross_compiles_without_shared_memory():
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
 
 
+_COMPILE_KW = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
+from fp4moe.plan.crosscompile import mma_instructions
+from fp4moe.plan.worker import _ptxas
+import importlib
+out = []
+for cc, rb, warps, kh, kw, bm, mx, pdl in json.loads(sys.argv[1]):
+    req = mma_compile_request(MMAConfig(rb=rb, warps=warps, kh=kh, block_m=bm, kw=kw, pdl=pdl),
+                              "mxfp4" if mx else "nvfp4", cc, 6144, has_bias=True)
+    mod, name = req.kernel.split(":")
+    cx = dict(req.constexprs)
+    lay = cx["X_LAYOUT"]
+    lm, lf = lay["layout"].split(":")
+    cx["X_LAYOUT"] = getattr(importlib.import_module(lm), lf)(*lay["args"])
+    sig = dict(req.signature)
+    sig.update({k: "constexpr" for k in cx})
+    fn = getattr(importlib.import_module(mod), name)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}  # as the runtime
+    c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
+                       target=GPUTarget("cuda", cc, 32), options={"num_warps": req.num_warps})
+    ptx = c.asm["ptx"]
+    out.append({"cc": cc, "kw": kw, "rb": rb, "warps": warps, "bm": bm, "shared": c.metadata.shared,
+                "mma": mma_instructions(ptx), "wait": ptx.count("griddepcontrol.wait"),
+                "launch": ptx.count("griddepcontrol.launch_dependents"), "spills": _ptxas(ptx, cc)[1]})
+print(json.dumps(out))
+"""
+
+
+def test_kw_kernel_cross_compiles_for_every_architecture():
+    """The in-program K split builds from sm_80 to sm_120 with the bf16 mma.sync and no spills; its
+    only shared memory is the warp groups' partial tiles; griddepcontrol (PDL) only from sm_90."""
+    cases = [(80, 1, 1, 4, 4, 8, False, 2), (89, 2, 1, 2, 8, 16, True, 2), (90, 1, 1, 4, 4, 8, False, 2),
+             (90, 2, 1, 4, 4, 16, True, 1), (90, 1, 2, 2, 2, 8, False, 0), (100, 1, 1, 4, 8, 8, False, 2),
+             (120, 2, 1, 4, 4, 16, False, 2)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", _COMPILE_KW, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for case, r in zip(cases, json.loads(res.stdout.strip().splitlines()[-1])):
+        pdl = case[-1] if r["cc"] >= 90 else 0
+        assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
+        assert 0 < r["shared"] <= r["kw"] * 16 * r["rb"] * r["warps"] * r["bm"] * 4, r  # the partial tiles at most
+        assert (r["wait"] > 0) == (pdl > 0) and (r["launch"] > 0) == (pdl > 0), r
+        assert r["spills"] == 0, r
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
@@ -190,7 +292,8 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
     from fp4moe.ops.mma_layout import launch_linear_mma
 
     configs = (choose_mma_config(M, N, K), MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3),
-               MMAConfig(rb=1, warps=1, kh=1, block_m=8))
+               MMAConfig(rb=1, warps=1, kh=1, block_m=8), MMAConfig(rb=2, warps=1, kh=2, block_m=16, kw=4, pdl=2),
+               MMAConfig(rb=1, warps=2, kh=4, block_m=8, kw=8, pdl=1), MMAConfig(rb=1, warps=4, kh=1, block_m=16, kw=2))
     check_packed_linear(launch_linear_mma, configs, fmt, M, N, K)
 
 

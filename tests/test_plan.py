@@ -493,18 +493,22 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
 
 
 def test_mma_decode_plan_on_every_architecture(cache):
-    """The decode kernel on packed weights compiles without shared memory or spills, with the
-    bf16 mma.sync, on every catalogued architecture from SM80; the plan keeps the heuristic's K
-    split and refuses what the kernel does not run."""
+    """The decode kernel on packed weights compiles without spills, with the bf16 mma.sync, on every
+    catalogued architecture from SM80; its shared memory is only the in-program K split's partial
+    tiles, as modelled; the plan chooses among the heuristic's family (K split over warp groups)
+    and refuses what the kernel does not run."""
     spec = get_kernel("fp4_linear_mma")
     results = plan_many([("fp4_linear_mma", LinearProblem(M, 12288, 6144, fmt=fmt))
                          for M, fmt in ((1, "nvfp4"), (16, "mxfp4"))], "sm120", cache=cache)
     for r in results:
-        assert r.chosen is not None and r.chosen.compiled.shared == 0 and r.chosen.compiled.spill_bytes == 0, r
-        assert r.chosen.config.split_k == r.heuristic.config.split_k
+        c = r.chosen
+        assert c is not None and c.compiled.spill_bytes == 0, r
+        assert c.compiled.shared == c.smem.total == c.config.kw * c.config.block_n * c.config.block_m * 4, r
+        assert r.heuristic.config.kw > 1 and r.heuristic.config.pdl == 2
     for arch in ("sm80", "sm89", "sm90", "sm100"):
         v = evaluate("fp4_linear_mma", LinearProblem(4, 4096, 6144), arch, cache=cache)
-        assert v.legal and v.compiled.shared == 0, (arch, v.reasons)
+        assert v.legal and v.compiled.shared == v.smem.total, (arch, v.reasons)
+        assert v.config.pdl == (2 if arch in ("sm90", "sm100") else 0), v.config
     with pytest.raises(ValueError, match="M <= 16"):
         spec.candidates(LinearProblem(64, 4096, 6144), get_arch("sm90"))
 

@@ -247,3 +247,145 @@ def fp4_linear_mma_kernel(
     else:
         part = y_ptr + (pid_k * M + rows) * N + gl.expand_dims(offs_n, 1)
         gl.store(part, out, mask=mask)
+
+
+def x_layout_kw(block_m: int, kh: int, warps: int, kw: int) -> gl.DistributedLinearLayout:
+    """``x_layout`` with a leading K-slice dimension: x tile [kw, block_m, 64 kh], slice s read by
+    the warps of K group s (replicated over the ``warps`` along N)."""
+    base = x_layout(block_m, kh, warps)
+    reg = [[0] + b for b in base.reg_bases]
+    lane = [[0] + b for b in base.lane_bases]
+    warp = [[0, 0, 0]] * (warps.bit_length() - 1) + [[1 << i, 0, 0] for i in range(kw.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=lane, warp_bases=warp, block_bases=[],
+                                      shape=[kw, block_m, 64 * kh])
+
+
+@gluon.jit
+def _arange5(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.constexpr, n4: gl.constexpr,
+             layout: gl.constexpr):
+    """Index tensors of a 5-D ``layout``, each broadcastable to [n0, n1, n2, n3, n4]."""
+    l4: gl.constexpr = gl.SliceLayout(4, layout)
+    i0, i1, i2, i3 = _arange4(n0, n1, n2, n3, l4)
+    i4 = gl.arange(0, n4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout)))))
+    i4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i4, 0), 1), 2), 3)
+    return gl.expand_dims(i0, 4), gl.expand_dims(i1, 4), gl.expand_dims(i2, 4), gl.expand_dims(i3, 4), i4
+
+
+@gluon.jit
+def fp4_linear_mma_kw_kernel(
+    wq_ptr, sc_ptr, x_ptr, wg_ptr, bias_ptr,
+    y_ptr,  # [M, N] (stride_ym, 1)
+    M, N, K, K_X, stride_xm, stride_ym,
+    k_chunks_per_slice,  # KC / KW 64-K chunks per K slice (a multiple of KH); slice s starts at s * k_chunks_per_slice
+    RB: gl.constexpr, WARPS: gl.constexpr, KW: gl.constexpr, KH: gl.constexpr, BLOCK_M: gl.constexpr,
+    MXFP4: gl.constexpr, HAS_WG: gl.constexpr, HAS_BIAS: gl.constexpr, FOLD: gl.constexpr,
+    DECODE: gl.constexpr, SCALE: gl.constexpr, X_LAYOUT: gl.constexpr,
+    EVEN_K: gl.constexpr,  # K_X == K
+    PDL: gl.constexpr,  # programmatic dependent launch: 0 off; 1 wait for the previous grid before any
+    # load; 2 request the first weight step, then wait (the previous kernel must not write the weights)
+):
+    """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
+    KW groups of WARPS warps each sum a K slice of the same BLOCK_N x BLOCK_M tile, and the program
+    adds the KW partial tiles (a cross-warp reduction in a fixed order) before the epilogue. No
+    partial sums leave the program, so there is no second kernel."""
+    BLOCK_N: gl.constexpr = 16 * RB * WARPS
+    BLOCK_K: gl.constexpr = 64 * KH
+    NB: gl.constexpr = RB * WARPS
+
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[KW, WARPS, 1], instr_shape=[1, 16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KH, 1, 4], threads_per_warp=[1, 1, 1, 32, 1],
+                                              warps_per_cta=[KW, WARPS, 1, 1, 1], order=[4, 3, 2, 1, 0])
+    s_layout: gl.constexpr = gl.SliceLayout(4, w_layout)
+    x_layout: gl.constexpr = X_LAYOUT
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    KC = K // 64
+    NRB = (N + 15) // 16
+    row_start = pid_m * BLOCK_M
+
+    # words [slice, row block, chunk, lane, word]; slice s starts at chunk s * k_chunks_per_slice
+    i_s, i_rb, i_kc, i_ln, i_kl = _arange5(KW, NB, KH, 32, 4, w_layout)
+    rb = gl.minimum(pid_n * NB + i_rb, NRB - 1)  # rows past N re-read the last block (never stored)
+    w_ptrs = wq_ptr + ((rb.to(gl.int64) * KC + i_s * k_chunks_per_slice + i_kc) * 32 + i_ln) * 4 + i_kl
+    j_s, j_rb, j_kc, j_ln = _arange4(KW, NB, KH, 32, s_layout)
+    s_blk = gl.minimum(pid_n * NB + j_rb, NRB - 1).to(gl.int64) * KC + j_s * k_chunks_per_slice + j_kc
+    if MXFP4:  # one pair per 32 K: [N/16, K/64, 8, 2]
+        s_ptrs = sc_ptr + s_blk * 16 + (j_ln // 4) * 2 + (j_ln % 4) // 2
+        S_STEP: gl.constexpr = 16
+    else:  # one pair per 16 K: [N/16, K/64, 32]
+        s_ptrs = sc_ptr + s_blk * 32 + j_ln
+        S_STEP: gl.constexpr = 32
+
+    # x [slice, token, K of the step]
+    lx_s: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, x_layout))
+    lx_m: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_layout))
+    lx_k: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, x_layout))
+    offs_m = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=lx_m), M - 1)
+    x_k = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=lx_s) * (k_chunks_per_slice * 64), 1), 2) \
+        + gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_K, layout=lx_k), 0), 1)  # [KW, 1, BLOCK_K]
+    x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 0), 2) + x_k
+
+    acc = gl.zeros([KW, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    c_last = k_chunks_per_slice - KH
+    if PDL == 2:  # the weights are not written by the kernel before: their first step is requested early
+        w = gl.load(w_ptrs)
+        s = gl.load(s_ptrs)
+    if PDL != 0:  # nothing the previous kernel writes (x, y's memory) is touched before it completes
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    if PDL != 2:
+        w = gl.load(w_ptrs)
+        s = gl.load(s_ptrs)
+    for c0 in range(0, k_chunks_per_slice, KH):
+        if EVEN_K:
+            xt = gl.load(x_ptrs + c0 * 64)
+        else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
+            xt = gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
+        c_next = gl.minimum(c0 + KH, c_last)
+        w_next = gl.load(w_ptrs + c_next * 128)
+        s_next = gl.load(s_ptrs + c_next * S_STEP)
+        wd = decode_a_operand_kw(w, s, KW, NB, KH, DECODE, SCALE, a_layout)
+        xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
+        xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, BLOCK_K]), [0, 2, 1]), b_layout,
+                               assert_trivial=True)
+        acc = mma_v2(wd, xb, acc)
+        w = w_next
+        s = s_next
+
+    out = gl.sum(acc, axis=0)
+    if FOLD != 1.0:
+        out = out * FOLD
+    if HAS_WG:
+        out = out * gl.load(wg_ptr)
+    o_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, o_layout))
+    offs_mo = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, o_layout))
+    n_mask = offs_n < N
+    mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_mo < M, 0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
+        out = out + gl.expand_dims(bias, 1)
+    gl.store(y_ptr + gl.expand_dims(offs_mo.to(gl.int64), 0) * stride_ym + gl.expand_dims(offs_n, 1),
+             out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def decode_a_operand_kw(w, s, KW: gl.constexpr, NB: gl.constexpr, KH: gl.constexpr, DECODE: gl.constexpr,
+                        SCALE: gl.constexpr, a_layout: gl.constexpr):
+    """``decode_a_operand`` with a leading K-slice dimension: words [KW, NB, KH, 32, 4] and scale
+    pairs [KW, NB, KH, 32] -> the bf16 A operand [KW, 16 NB, 64 KH]."""
+    sg, sh = gl.inline_asm_elementwise(SCALE, "=r,=r,h", [s], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    sg, _ = gl.broadcast(gl.expand_dims(sg, 4), w)
+    sh, _ = gl.broadcast(gl.expand_dims(sh, 4), w)
+    o000, o001, o010, o011, o100, o101, o110, o111 = gl.inline_asm_elementwise(
+        DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, sg, sh],
+        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
+    v = gl.join(gl.join(gl.join(o000, o001), gl.join(o010, o011)),
+                gl.join(gl.join(o100, o101), gl.join(o110, o111)))  # [KW, NB, KH, 32, 4, i0, i1, i2]
+    v = gl.reshape(v, [KW, NB, KH, 8, 4, 4, 2, 2, 2])
+    v = gl.permute(v, [0, 1, 7, 3, 2, 5, 8, 4, 6])  # [s, rb, i1, g, kc, kl, i2, t, i0]
+    return gl.convert_layout(gl.reshape(v, [KW, 16 * NB, 64 * KH]), a_layout, assert_trivial=True)

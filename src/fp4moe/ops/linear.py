@@ -285,7 +285,8 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     arch = device_arch(x.device)
     path = choose_path(mode, arch)
     sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
-    packed_cfg = packed_config(path, arch, M, N, K, sm_count) if config is None and _use_mma_layout(x2, w) else None
+    packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt) \
+        if config is None and _use_mma_layout(x2, w) else None
     if packed_cfg is not None:
         packed = mma_packed(w)
         if packed is not None:
@@ -302,18 +303,20 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     return out.reshape(*lead, N)
 
 
-def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_count: int | None = None):
+def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_count: int | None = None, *,
+                  fmt: FP4Format | str = "nvfp4"):
     """The configuration of the kernel on weights in MMA operand order (``ops.mma_layout``) that
     ``fp4_linear`` runs for bf16 activations on compiled CUDA, or None for the Triton kernel:
     W4A16 decode (M <= MAX_M) on the mma.sync kernel, which every catalogued architecture, SM80 on,
     has (an ``MMAConfig``); W4A16 prefill (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
     ``WgmmaConfig``). The rest (M in between, other architectures' prefill, W4A4) on the Triton kernel."""
-    from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
+    from .mma_layout import MAX_M, PDL_MIN_SM, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
 
     if path != "w4a16" or arch is None:
         return None
     if M <= MAX_M:
-        return choose_mma_config(M, N, K, sm_count or 132)
+        return choose_mma_config(M, N, K, sm_count or 132, fmt=fmt, regs_per_sm=arch.regs_per_sm,
+                                 threads_per_sm=arch.max_threads_per_sm, pdl=arch.sm_version >= PDL_MIN_SM)
     if M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma":
         return choose_wgmma_config(M, N, K, sm_count or 132)
     return None
@@ -363,7 +366,8 @@ def _probe_mma(device: torch.device, fmt: FP4Format, cfg) -> tuple[torch.Tensor,
 
     g = torch.Generator(device="cpu").manual_seed(1234)
     if isinstance(cfg, MMAConfig):
-        M, N, K, launch = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k, launch_linear_mma
+        # K: three loop steps per split, or per K slice of the in-program split
+        M, N, K, launch = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k * cfg.kw, launch_linear_mma
     else:
         M, N, K, launch = cfg.block_m + 3, 32 * cfg.warps + 16, 4 * 64 + 32, launch_linear_wgmma
     x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.bfloat16)

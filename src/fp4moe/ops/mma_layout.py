@@ -146,13 +146,19 @@ def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
 class MMAConfig:
     """Launch parameters of ``fp4_linear_mma_kernel``: ``rb`` 16-row blocks per warp, ``warps``
     warps along N (BLOCK_N = 16 * rb * warps), ``kh`` 64-K chunks per loop step, ``block_m``
-    tokens per program, ``split_k`` programs sharing one output tile along K."""
+    tokens per program, ``split_k`` programs sharing one output tile along K. ``kw`` > 1: K is split
+    over ``kw`` groups of ``warps`` warps inside each program instead (``fp4_linear_mma_kw_kernel``,
+    plain linear only; one launch, no partial sums), and ``pdl`` launches it with programmatic
+    dependent launch: 1 waits for the previous kernel before its first load, 2 requests its first
+    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``)."""
 
     rb: int = 1
     warps: int = 4
     kh: int = 4
     block_m: int = 16
     split_k: int = 1
+    kw: int = 1
+    pdl: int = 0
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -165,6 +171,17 @@ class MMAConfig:
             raise ValueError(f"MMAConfig.block_m: expected 8, 16, 32 or 64, got {self.block_m}")
         if not 1 <= self.split_k <= 64:
             raise ValueError(f"MMAConfig.split_k: expected 1..64, got {self.split_k}")
+        if self.kw not in (1, 2, 4, 8):
+            raise ValueError(f"MMAConfig.kw: expected 1, 2, 4 or 8, got {self.kw}")
+        if self.kw > 1 and self.split_k > 1:
+            raise ValueError(f"MMAConfig: K is split inside the program (kw={self.kw}) or over programs "
+                             f"(split_k={self.split_k}), not both")
+        if self.warps * self.kw > 16:
+            raise ValueError(f"MMAConfig: warps * kw = {self.warps * self.kw} warps per program, at most 16")
+        if self.pdl not in (0, 1, 2):
+            raise ValueError(f"MMAConfig.pdl: expected 0, 1 or 2, got {self.pdl}")
+        if self.pdl and self.kw == 1:
+            raise ValueError("MMAConfig.pdl: only the in-program K split (kw > 1) launches with PDL")
 
     @property
     def block_n(self) -> int:
@@ -172,7 +189,9 @@ class MMAConfig:
 
     def __str__(self) -> str:
         split = f"_split{self.split_k}" if self.split_k > 1 else ""
-        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}"
+        kw = f"_kw{self.kw}" if self.kw > 1 else ""
+        pdl = ("", "_pdl", "_pdl2")[self.pdl]
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}"
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -187,22 +206,64 @@ def _fit_kh(kh: int, chunks: int) -> int:
     return kh
 
 
-def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132) -> MMAConfig:
-    """From an H200 sweep (scripts/try_linear_mma.py, GLM-5 shapes): 8 tokens per program at
-    M <= 8 with 64 weight rows (4 warps x 16); 16 tokens with 128 rows (each warp reuses its x
-    fragments over two row blocks); 256 K per step; K split until there are ~5 (M <= 8) or ~3
-    (M <= 16, more registers per thread) programs per SM, at most 8 splits."""
-    block_m = 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
-    rb = 1 if block_m == 8 else 2
-    kh = 4 if block_m <= 16 else 2 if block_m == 32 else 1
+#: registers per thread of ``fp4_linear_mma_kw_kernel`` by (MXFP4, block_m, rb, kh, kw), one warp along
+#: N, from ptxas for sm_90 (Triton 3.6; ``tests/test_mma_layout.py`` recompiles and compares): the
+#: decode heuristic's occupancy model
+KW_REGISTERS = {
+    (False, 8, 1, 2, 2): 56, (False, 8, 1, 2, 4): 56, (False, 8, 1, 2, 8): 56, (False, 8, 1, 4, 2): 80,
+    (False, 8, 1, 4, 4): 80, (False, 8, 1, 4, 8): 80, (False, 8, 2, 2, 2): 80, (False, 8, 2, 2, 4): 80,
+    (False, 8, 2, 2, 8): 80, (False, 8, 2, 4, 2): 122, (False, 8, 2, 4, 4): 122, (False, 8, 2, 4, 8): 122,
+    (False, 16, 1, 2, 2): 71, (False, 16, 1, 2, 4): 71, (False, 16, 1, 2, 8): 80, (False, 16, 1, 4, 2): 128,
+    (False, 16, 1, 4, 4): 128, (False, 16, 1, 4, 8): 128, (False, 16, 2, 2, 2): 96, (False, 16, 2, 2, 4): 96,
+    (False, 16, 2, 2, 8): 128, (False, 16, 2, 4, 2): 158, (False, 16, 2, 4, 4): 158, (False, 16, 2, 4, 8): 158,
+    (True, 8, 1, 2, 2): 56, (True, 8, 1, 2, 4): 56, (True, 8, 1, 2, 8): 64, (True, 8, 1, 4, 2): 96,
+    (True, 8, 1, 4, 4): 96, (True, 8, 1, 4, 8): 99, (True, 8, 2, 2, 2): 96, (True, 8, 2, 2, 4): 96,
+    (True, 8, 2, 2, 8): 98, (True, 8, 2, 4, 2): 146, (True, 8, 2, 4, 4): 146, (True, 8, 2, 4, 8): 148,
+    (True, 16, 1, 2, 2): 72, (True, 16, 1, 2, 4): 72, (True, 16, 1, 2, 8): 72, (True, 16, 1, 4, 2): 128,
+    (True, 16, 1, 4, 4): 128, (True, 16, 1, 4, 8): 128, (True, 16, 2, 2, 2): 122, (True, 16, 2, 2, 4): 122,
+    (True, 16, 2, 2, 8): 126, (True, 16, 2, 4, 2): 188, (True, 16, 2, 4, 4): 188, (True, 16, 2, 4, 8): 188,
+}
+#: the first architecture with programmatic dependent launch (griddepcontrol)
+PDL_MIN_SM = 90
+#: weight bytes in flight per SM that the decode heuristic aims for (Little's law at ~4.3 TB/s over
+#: 132 SMs and ~1.2 us of loaded DRAM latency)
+DECODE_INFLIGHT_BYTES = 40_000
+
+
+def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Format | str = NVFP4,
+                      regs_per_sm: int = 65536, threads_per_sm: int = 2048, pdl: bool = True) -> MMAConfig:
+    """The decode configuration (M <= MAX_M): K split over the warps of each program
+    (``MMAConfig.kw``, one launch) with PDL, chosen by an occupancy model (H200 sweep,
+    scripts/sweep_decode_kw.py): every program resident at once (one wave, from
+    ``KW_REGISTERS``), then the most weight bytes in flight per SM up to
+    ``DECODE_INFLIGHT_BYTES`` (one loop step per warp is in flight while the previous one decodes),
+    then (ties) longer steps, then more resident warps. Each warp runs at least 2 loop steps (4 for 16-token programs,
+    whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. ``pdl``: the
+    target has programmatic dependent launch (SM90 on, ``PDL_MIN_SM``)."""
+    from ..formats import get_format
+
+    mx = get_format(fmt) is not NVFP4
+    block_m = 8 if M <= 8 else 16
     chunks = -(-K // KCHUNK)
-    kh = _fit_kh(kh, chunks)
-    tiles = -(-N // (64 * rb)) * -(-M // block_m)
-    want = (5 if block_m == 8 else 2.5) * sm_count
-    split = 1
-    while tiles * split < want and split < 8 and chunks // (kh * split * 2) >= 1:
-        split *= 2
-    return MMAConfig(rb=rb, warps=4, kh=kh, block_m=block_m, split_k=split)
+    min_steps = 2 if block_m == 8 else 4
+    best, best_score = None, None
+    for rb in (1, 2):
+        for kh in (2, 4):
+            for kw in (2, 4, 8):
+                if chunks % (kh * kw) or chunks // (kh * kw) < min_steps:
+                    continue
+                regs = -(-KW_REGISTERS[(mx, block_m, rb, kh, kw)] // 8) * 8
+                per_sm = min(regs_per_sm // (regs * 32 * kw), threads_per_sm // (32 * kw), 32)
+                programs = -(-N // (16 * rb)) * -(-M // block_m)
+                resident = min(programs / sm_count, per_sm)
+                inflight = min(resident * kw * rb * kh * 512, DECODE_INFLIGHT_BYTES)
+                score = (programs <= per_sm * sm_count, inflight, kh, resident * kw)
+                if best_score is None or score > best_score:
+                    best, best_score = MMAConfig(rb=rb, warps=1, kh=kh, block_m=block_m, kw=kw, pdl=2 if pdl else 0), score
+    if best is None:  # K too short to split over warps: one warp per program, K in one slice
+        kh = _fit_kh(4, chunks)
+        return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
+    return best
 
 
 def _split(config: MMAConfig, chunks: int) -> tuple[int, int, int]:
@@ -212,6 +273,50 @@ def _split(config: MMAConfig, chunks: int) -> tuple[int, int, int]:
     split = min(config.split_k, steps)
     per_split = -(-steps // split) * kh
     return kh, -(-chunks // per_split), per_split
+
+
+def _fit_kw(config: MMAConfig, chunks: int) -> tuple[int, int]:
+    """(kh, kw) for ``config`` on a weight of ``chunks`` 64-K chunks: every K slice the same whole
+    number of steps (kw halved first, then kh)."""
+    kh, kw = _fit_kh(config.kh, chunks), config.kw
+    while chunks % (kh * kw):
+        if kw > 1:
+            kw //= 2
+        else:
+            kh //= 2
+    return kh, kw
+
+
+def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
+    """The one launch of ``fp4_linear_mma_kw_kernel`` (``config.kw`` > 1): out = x2 @ W^T (+ bias)."""
+    import triton
+
+    from ..kernels.linear_mma import (DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kw_kernel, scale_asm,
+                                      x_layout_kw)
+
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"x: the MMA-layout kernel takes bfloat16 activations, got {x2.dtype}")
+    M, N = x2.shape[0], p.shape[0]
+    chunks = p.words.shape[1]
+    kh, kw = _fit_kw(config, chunks)
+    mx = p.fmt is not NVFP4
+    unused = p.scales
+    pdl = config.pdl
+    if pdl and torch.cuda.get_device_capability(p.words.device)[0] * 10 < PDL_MIN_SM:
+        pdl = 0  # no griddepcontrol before Hopper: an ordinary launch
+    if pdl == 2 and not getattr(p.words, "_fp4moe_launched", False):
+        # the kernel before this first launch may be the one that wrote the pack: wait before any load
+        pdl = 1
+        p.words._fp4moe_launched = True
+    fp4_linear_mma_kw_kernel[(triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m))](
+        p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
+        bias if bias is not None else unused, out, M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), out.stride(0),
+        chunks // kw, RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
+        HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, FOLD=FOLD_E8M0 if mx else FOLD_E4M3,
+        DECODE=DECODE_ASM, SCALE=scale_asm(mx), X_LAYOUT=x_layout_kw(config.block_m, kh, config.warps, kw),
+        EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, num_warps=config.warps * kw, launch_pdl=pdl > 0,
+    )
+    return out
 
 
 def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
@@ -253,6 +358,23 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
 
     mx = get_format(fmt) is not NVFP4
     chunks = -(-K // KCHUNK)
+    divisible = ("wq_ptr", "sc_ptr", "x_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym")
+    if config.kw > 1:
+        if grouped:
+            raise ValueError("config.kw: the in-program K split is for the plain linear, not grouped GEMMs")
+        kh, kw = _fit_kw(config, chunks)
+        signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
+                     "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
+                     "stride_ym": "i32", "k_chunks_per_slice": "i32"}
+        constexprs = dict(RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
+                          HAS_WG=not mx, HAS_BIAS=has_bias, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
+                          SCALE=scale_asm(mx),
+                          X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
+                                    "args": [config.block_m, kh, config.warps, kw]},
+                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if cc >= PDL_MIN_SM else 0)
+        return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
+                              constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
+                              divisible_by_16=divisible)
     kh, split, _ = _split(config, chunks)
     signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
                  "y_ptr": "*fp32" if split > 1 or grouped else "*bf16", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32",
@@ -266,7 +388,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
-                          divisible_by_16=("wq_ptr", "sc_ptr", "x_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym"))
+                          divisible_by_16=divisible)
 
 
 def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
@@ -277,6 +399,8 @@ def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | No
 
     from ..kernels.linear import splitk_reduce_kernel
 
+    if config.kw > 1:
+        return _launch_kw(x2, p, bias, out, config)
     M = x2.shape[0]
     N = p.shape[0]
     split = _split(config, p.words.shape[1])[1]
@@ -297,6 +421,8 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32."""
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if config.kw > 1:
+        raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")
     if p.global_scale is not None:
         raise ValueError("p: grouped weights are packed without global scales")
     R = plan.sorted_pair.shape[0]

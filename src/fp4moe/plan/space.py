@@ -421,7 +421,8 @@ class _PackedSpec:
 
 
 class _MmaSpec(_PackedSpec):
-    """The mma.sync kernel (``kernels.linear_mma``): ``MMAConfig``, no shared memory, bf16 mma.sync."""
+    """The mma.sync kernel (``kernels.linear_mma``): ``MMAConfig``, bf16 mma.sync, shared memory only
+    for the in-program K split's partial tiles."""
 
     @property
     def config_type(self) -> type:
@@ -433,8 +434,18 @@ class _MmaSpec(_PackedSpec):
         return "w4a16_mma"
 
     def smem_model(self, config, problem: Any, arch: Arch) -> SmemBreakdown:
+        from ..ops.mma_layout import KCHUNK, _fit_kw
+        from .smem import SmemTerm
+
         self.check_config(config)  # type: ignore[attr-defined]
-        return SmemBreakdown(())  # operands go from global memory straight to registers
+        if config.kw == 1:
+            return SmemBreakdown(())  # operands go from global memory straight to registers
+        kw = _fit_kw(config, _cdiv(problem.K, KCHUNK))[1]
+        if kw == 1:
+            return SmemBreakdown(())
+        # the kw warp groups' fp32 partial tiles meet in shared memory for their sum (gl.sum, axis 0)
+        return SmemBreakdown((SmemTerm("K-slice partial tiles", config.block_n * config.block_m * 4, kw,
+                                       phase="epilogue", source="convert_layout scratch of gl.sum"),))
 
     def expected_mma(self, problem: Any, arch: Arch) -> MmaExpectation:
         return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
@@ -479,7 +490,8 @@ def _uniform_tiles(problem: Any, block_m: int) -> tuple[int, int]:
 class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
     """``kernels.linear_mma.fp4_linear_mma_kernel`` (Gluon, mma.sync): W4A16 decode (M <= 16, bf16
     activations) on weights in MMA operand order, on every architecture from SM80 (what
-    ``fp4_linear`` runs there). It uses no shared memory; what can go wrong on a new chip is
+    ``fp4_linear`` runs there). Only the in-program K split (``MMAConfig.kw``) uses shared memory,
+    a few KB for adding the warp groups' partial tiles; what can go wrong on a new chip is
     registers (spills) and the MMA instruction, which the compile check proves."""
 
     name = "fp4_linear_mma"
@@ -492,22 +504,25 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
             raise ValueError(f"{self.name}: runs decode, M <= {MAX_M}, got M = {problem.M}")
 
     def candidates(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None) -> list:
-        """8 or 16 tokens per program, one or two 16-row blocks per warp, 64 to 256 K per step (4
-        warps, as the runtime), all at the heuristic's K split: the split buys latency hiding,
-        which the roofline cannot see (it would always drop the split and its reduction), and it
-        was measured on silicon (``choose_mma_config``)."""
-        from ..ops.mma_layout import MMAConfig
+        """What the runtime's decode heuristic chooses from: K split over 2, 4 or 8 warp groups of
+        one program, one or two 16-row blocks per warp, 128 or 256 K per step (PDL where the
+        target has it); for K too short to split over warps, the heuristic's one program per tile."""
+        from ..ops.mma_layout import PDL_MIN_SM, MMAConfig
 
-        split = self.heuristic(problem, arch, sm_count).split_k
-        block_ms = (8, 16) if problem.M <= 8 else (16,)
-        return [MMAConfig(rb=rb, warps=4, kh=kh, block_m=bm, split_k=split) for bm in block_ms for rb in (1, 2)
-                for kh in (1, 2, 4)]
+        chosen = self.heuristic(problem, arch, sm_count)
+        if chosen.kw == 1:
+            return [chosen]
+        pdl = 2 if arch.sm_version >= PDL_MIN_SM else 0
+        return [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=pdl) for rb in (1, 2)
+                for kh in (2, 4) for kw in (2, 4, 8)]
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
-        from ..ops.mma_layout import choose_mma_config
+        from ..ops.mma_layout import PDL_MIN_SM, choose_mma_config
 
         self.check_problem(problem)
-        return choose_mma_config(problem.M, problem.N, problem.K, sm_count or default_gpu(arch).sm_count)
+        return choose_mma_config(problem.M, problem.N, problem.K, sm_count or default_gpu(arch).sm_count,
+                                 fmt=problem.fmt, regs_per_sm=arch.regs_per_sm,
+                                 threads_per_sm=arch.max_threads_per_sm, pdl=arch.sm_version >= PDL_MIN_SM)
 
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
@@ -520,6 +535,8 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
 
         M, N, K = problem.M, problem.N, problem.K
         _, split, _ = _split(config, _cdiv(K, KCHUNK))
+        if config.kw > 1:  # the K split runs inside the program: one launch, no partial sums
+            split = 1
         tiles_n, tiles_m = _cdiv(N, config.block_n), _cdiv(M, config.block_m)
         programs = tiles_n * tiles_m * split
         w_once = fp4_weight_bytes(N, K, problem.fmt)
@@ -528,7 +545,7 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         nbytes = w_once + x_once + out_bytes
         flops = 2 * (tiles_m * config.block_m) * (tiles_n * config.block_n) * K
         peak = gpu.bf16_dense_tflops
-        ctas = _occupancy(gpu.arch, 0, 32 * config.warps, registers)
+        ctas = _occupancy(gpu.arch, 0, 32 * config.warps * config.kw, registers)
         notes = []
         extra = 0.0
         if split > 1:
