@@ -4,17 +4,15 @@ per call; the floor a pure streaming read of the same bytes reaches in the same 
 per-kernel cost of back-to-back launches in a graph, with and without programmatic dependent
 launch (PDL).
 Usage: PYTHONPATH=src python3 scripts/profile_decode.py [--out DIR]"""
-import collections
 import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from torch.profiler import ProfilerActivity, profile
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from fp4moe.bench.timing import l2_bytes, measure_copy_bandwidth, rotating, rotation_count, time_cuda_graph
+from fp4moe.bench.timing import kernel_times, l2_bytes, measure_copy_bandwidth, rotating, rotation_count, time_cuda_graph
 from fp4moe.formats import NVFP4
 from fp4moe.ops import mma_layout as ml
 from fp4moe.quantize import quantize
@@ -37,24 +35,6 @@ def _tiny_kernel(out, PDL: tl.constexpr):
         gdc_wait()
         gdc_launch_dependents()
     tl.store(out + tl.program_id(0), 1)
-
-
-def kernel_times(fn, calls: int = 20) -> dict[str, float]:
-    """Mean CUDA time per call of each kernel name over ``calls`` graph-replayed calls."""
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
-        torch.cuda.synchronize()
-    tot = collections.Counter()
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            tot[e.name[:50]] += e.device_time_total
-    return {k: v / calls for k, v in tot.items()}
 
 
 def main() -> None:

@@ -1,30 +1,32 @@
-"""Per-kernel CUDA time of the GLM-5 MoE experts (fp4_moe_experts: dispatch, activation pass, the
-two wgmma GEMMs, combine) at 4096 and 1024 tokens, by torch.profiler. GPU only.
-Usage: PYTHONPATH=src python3 scripts/profile_moe.py"""
-import torch, collections
-from torch.profiler import profile, ProfilerActivity
-from fp4moe.quantize import quantize, quantize_stacked
-from fp4moe.ops import moe as moe_ops
-E, k, H, I = 256, 8, 6144, 2048
-dev = "cuda"
-w13 = quantize_stacked(torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16), "nvfp4")
-w2 = quantize(torch.randn(E, H, I, device=dev, dtype=torch.bfloat16), "nvfp4")
-for T in (4096, 1024):
-    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-    ids = torch.topk(torch.rand(T, E, device=dev), k, dim=-1).indices.to(torch.int32)
-    wts = torch.rand(T, k, device=dev)
-    for _ in range(3):
-        moe_ops.fp4_moe_experts(x, w13, w2, ids, wts)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            moe_ops.fp4_moe_experts(x, w13, w2, ids, wts)
-        torch.cuda.synchronize()
-    tot = collections.Counter(); cnt = collections.Counter()
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            tot[e.name[:60]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-            cnt[e.name[:60]] += 1
-    print("T", T, "total us/call", sum(tot.values()) / 5)
-    for n, v in tot.most_common(12):
-        print(f"  {v/5:9.1f} us  x{cnt[n]//5}  {n}")
+"""Per-kernel CUDA time of the GLM-5 MoE layer as ``fp4moe bench moe`` runs it (routing, dispatch,
+the grouped GEMMs and their epilogues, combine), under CUDA-graph replay, against the layer's time
+per call. GPU only.
+Usage: PYTHONPATH=src python3 scripts/profile_moe.py [--tokens 1,16,4096]"""
+import sys
+
+import torch
+
+from fp4moe.bench.moe import _router
+from fp4moe.bench.timing import kernel_times, time_cuda_graph
+from fp4moe.models import get_model
+from fp4moe.ops.moe import mma_packed_experts, moe_experts
+from fp4moe.quantize import quantize_stacked
+
+tokens = [int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")] if "--tokens" in sys.argv else [4096, 1024]
+spec = get_model("glm-5")
+E, H, I = spec.n_experts, spec.hidden, spec.expert_intermediate
+gen = torch.Generator(device="cuda").manual_seed(0)
+w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
+w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
+mma_packed_experts(w13)
+mma_packed_experts(w2)
+route = _router(spec)
+for T in tokens:
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
+    fn = lambda: moe_experts(x, w13, w2, *route(logits, None)[:2])  # noqa: E731
+    total = time_cuda_graph(fn, iters_per_graph=10, reps=15).median_us
+    times = kernel_times(fn, calls=10)
+    print(f"T={T}: {total:.1f} us per call, kernels {sum(times.values()):.1f} us", flush=True)
+    for name, us in times.items():
+        print(f"  {us:9.2f} us  {name}", flush=True)

@@ -214,8 +214,13 @@ def test_max_tiles_bound():
 
 
 def test_heuristic():
-    assert DispatchConfig.from_heuristic(8, 256).fused  # decode: one launch
-    assert not DispatchConfig.from_heuristic(32768, 256).fused
+    """The fused program up to 32 pairs, ~32 pairs per block above (the H200 sweep)."""
+    assert DispatchConfig.from_heuristic(8, 256) == DispatchConfig(16, True, 4)  # decode: one launch
+    assert DispatchConfig.from_heuristic(32, 128) == DispatchConfig(32, True, 4)
+    assert DispatchConfig.from_heuristic(32, 256) == DispatchConfig(32, True, 8)
+    assert DispatchConfig.from_heuristic(128, 256) == DispatchConfig(16, False, 4)
+    assert DispatchConfig.from_heuristic(2048, 256) == DispatchConfig(64, False, 4)
+    assert DispatchConfig.from_heuristic(32768, 256) == DispatchConfig(128, False, 4)
 
 
 # ------------------------------------------------------------------------------ cross-compilation
@@ -227,7 +232,7 @@ def test_cross_compile_default_configs():
     from fp4moe.plan.crosscompile import cross_compile
 
     requests = []
-    for n_pairs, E in ((512, 256), (32768, 256), (256, 160)):  # fused E=256, blocks E=256, fused E=160
+    for n_pairs, E in ((16, 256), (32768, 256), (32, 160), (512, 256)):  # fused, blocks, fused E=160, blocks
         cfg = DispatchConfig.from_heuristic(n_pairs, E)
         for cc in (80, 90, 120):
             requests += compile_requests(n_pairs, E, 8, 64, cfg, cc)

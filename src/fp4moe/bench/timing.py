@@ -131,6 +131,40 @@ def time_cuda_graph(
     return summarize(samples, graph=True)
 
 
+def kernel_times(fn: Callable[[], Any], calls: int = 20) -> dict[str, float]:
+    """Mean CUDA time per call (us) of each kernel ``fn`` launches, by name (first 60 characters,
+    then `` xN`` when it runs N times per call), over ``calls`` calls captured in one CUDA graph and
+    replayed once under ``torch.profiler``. The sum can be less than the graph's time per call:
+    launch gaps are not kernels."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    total: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            total[event.name[:60]] += event.device_time_total
+            count[event.name[:60]] += 1
+    return {name + (f" x{count[name] // calls}" if count[name] > calls else ""): us / calls
+            for name, us in total.most_common()}
+
+
 def _release_rng_after_failed_capture() -> None:
     """Undo what a failed capture leaves behind in the default CUDA generator.
 

@@ -66,13 +66,16 @@ class DispatchConfig:
 
     @staticmethod
     def from_heuristic(n_pairs: int, n_experts: int) -> DispatchConfig:
-        """Decode (<= 512 pairs: T <= 64 at k = 8): one fused launch of one 8-warp program, whose
-        sequential chunks of [block_p, next_pow2(E)] comparisons (8K elements) should cost less
-        than three more dependent launches. Prefill: 128-pair blocks. Not tuned on silicon."""
+        """H200 sweep (scripts/sweep_dispatch.py, E = 128 and 256, k = 8): the fused program is
+        fastest up to 32 pairs (T <= 4; 5-7 us against ~10 us for the four block launches), but
+        its sequential [block_p, next_pow2(E)] chunks grow with the pairs (26 us at 128 pairs, 77
+        at 512), while the block kernels stay at 10-13 us up to 2,048 pairs with ~32 pairs per
+        block (16..128). Fused: 4 warps up to 4K comparisons per chunk, else 8 (no spills)."""
         block_e = _next_pow2(n_experts)
-        if n_pairs <= 512 and block_e <= 2048:
-            return DispatchConfig(block_p=max(16, min(64, 8192 // block_e)), fused=True, num_warps=8)
-        return DispatchConfig(block_p=128, fused=False, num_warps=4)
+        if n_pairs <= 32 and block_e <= 2048:
+            block_p = max(16, _next_pow2(n_pairs))  # 8 warps past 4K comparisons (4 spill at 32 x 256)
+            return DispatchConfig(block_p=block_p, fused=True, num_warps=4 if block_p * block_e <= 4096 else 8)
+        return DispatchConfig(block_p=max(16, min(128, _next_pow2(-(-n_pairs // 32)))), fused=False, num_warps=4)
 
     @staticmethod
     def candidates(n_pairs: int, n_experts: int) -> list[DispatchConfig]:

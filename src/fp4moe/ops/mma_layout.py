@@ -785,7 +785,7 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
                          row_weight: torch.Tensor | None = None, scatter: bool = False) -> torch.Tensor:
     """One launch over an MoE dispatch plan (its block_m must be ``config.block_m``): GEMM 1
     (``swiglu`` > 0: gate rows then up rows per expert, n_per_expert = 2I; writes h [R, I]) or
-    GEMM 2 (routing weight per sorted row, ``scatter`` to the pair rows), with the experts' globals
+    GEMM 2 (``scatter`` to the pair rows, times ``row_weight`` [T * k] read at each row's pair), with the experts' globals
     ``globals_`` = (tensor, mode) as ``ops.moe._weight_globals`` and bias [E, n_per_expert].
     Activations: ``x_mma_order`` when x2 already is [R, K stored] in MMA K order (GEMM 2 reading the
     h that GEMM 1 wrote with ``out_mma_order``); otherwise one ``mma_order_rows`` pass first
@@ -797,6 +797,8 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
 
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if row_weight is not None and not scatter:
+        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
     if swiglu and config.repeats != 2:
         raise ValueError(f"config: GEMM 1 with the fused activation needs repeats=2 (a thread holds a gate row "
                          f"and its up row), got {config}")

@@ -85,12 +85,22 @@ def _weight_globals(w: FP4Tensor) -> tuple[torch.Tensor | None, int]:
     return g.reshape(-1, N).expand(E, N).contiguous(), 2
 
 
+def _pair_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """The routing weights [T, k] as the fp32 vector [T * k] of pairs that GEMM 2's epilogue reads
+    at each scattered row's pair (no copy when they already are fp32 and contiguous)."""
+    return topk_weights.reshape(-1).to(torch.float32).contiguous()
+
+
 def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor,
                     cfg: MoEGemmConfig, *, swiglu: int, interleaved: bool, gather: bool, scatter: bool,
                     row_weight: torch.Tensor | None, bias: torch.Tensor | None, act: int = 0) -> torch.Tensor:
     """One grouped GEMM. ``x`` is bf16/fp16 rows (act 0) or their NVFP4 quantization (act 1:
-    decoded in the kernel; act 2: native block-scaled FP4 MMA)."""
+    decoded in the kernel; act 2: native block-scaled FP4 MMA). ``row_weight`` [T * k] fp32 (the
+    routing weight of each pair, ``_pair_weights``) needs ``scatter``: a row's pair is its output row."""
     import triton
+
+    if row_weight is not None and not scatter:
+        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
 
     from ..kernels.moe import moe_gemm_kernel
 
@@ -282,7 +292,7 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
                     scatter=False, row_weight=None, bias=w13_bias, act=act)
     h_in = _quantize_rows(h, None) if act else h
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
+    row_w = _pair_weights(topk_weights)
     launch_moe_gemm(h_in, w2, plan, y_pair, g2, swiglu=0, interleaved=False, gather=False, scatter=True,
                     row_weight=row_w, bias=w2_bias, act=act)
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
@@ -357,8 +367,12 @@ def wgmma_moe_config(rows_per_expert: float):
 def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
                              interleaved: bool, scatter: bool, row_weight: torch.Tensor | None,
                              bias: torch.Tensor | None) -> torch.Tensor:
-    """``moe_gemm_kernel``'s epilogue on the grouped partial sums ``part`` [splits, R, N_w]."""
+    """``moe_gemm_kernel``'s epilogue on the grouped partial sums ``part`` [splits, R, N_w]
+    (``row_weight`` as ``launch_moe_gemm``'s)."""
     import triton
+
+    if row_weight is not None and not scatter:
+        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
 
     from ..kernels.moe import moe_partials_epilogue_kernel
 
@@ -393,7 +407,7 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
                              row_weight=None, bias=w13_bias)
     part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False)
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
+    row_w = _pair_weights(topk_weights)
     launch_partials_epilogue(part, w2, plan, y_pair, swiglu=0, interleaved=False, scatter=True, row_weight=row_w,
                              bias=w2_bias)
     return launch_combine(y_pair, topk_ids, k, shared_out, out, E)
@@ -429,7 +443,7 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
     launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=True, swiglu=_SWIGLU[activation],
                          alpha=alpha, limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    row_w = topk_weights.reshape(-1).to(torch.float32)[plan.sorted_pair.long()]
+    row_w = _pair_weights(topk_weights)
     launch_grouped_wgmma(h, p2, H, plan, y_pair, wgmma_gemm2_config(cfg), gather=False, x_mma_order=True,
                          globals_=_weight_globals(w2), bias=w2_bias, row_weight=row_w, scatter=True)
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
