@@ -346,3 +346,30 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
                             w13_bias=b13, w2_bias=b2).float()
     assert torch.isfinite(out.float()).all()
     assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+def test_pack_follows_in_place_weight_updates():
+    """The MMA-order copy is made again after the weight changes in place (``load_state_dict``
+    copies into the buffers), for FP4Linear and for stacked experts; unchanged weights keep it."""
+    from fp4moe.nn import FP4Linear
+    from fp4moe.ops.linear import mma_packed
+    from fp4moe.ops.moe import mma_packed_experts
+    from fp4moe.quantize import quantize_stacked
+
+    torch.manual_seed(0)
+    a = FP4Linear.from_linear(torch.nn.Linear(128, 32), "nvfp4")
+    b = FP4Linear.from_linear(torch.nn.Linear(128, 32), "nvfp4")
+    p0 = mma_packed(a.weight_fp4)
+    assert mma_packed(a.weight_fp4) is p0
+    a.load_state_dict(b.state_dict())
+    p1 = mma_packed(a.weight_fp4)
+    assert p1 is not p0
+    got, want = unpack_mma(p1), b.weight_fp4
+    assert torch.equal(got.data, want.data) and torch.equal(got.global_scale, want.global_scale)
+    w = quantize_stacked(torch.randn(3, 32, 64), "nvfp4")
+    e0 = mma_packed_experts(w)
+    w.scales.copy_(torch.flip(w.scales, dims=[0]))
+    assert mma_packed_experts(w) is not e0
+    with torch.inference_mode():  # inference tensors count no writes: packed once
+        v = quantize(torch.randn(32, 128), "nvfp4")
+        assert mma_packed(v) is mma_packed(v)

@@ -262,7 +262,7 @@ def fp4_gemm_wgmma_kernel(
     out_ptr,  # plain: y [M, N]; GEMM 1: h [R, N/2]; GEMM 2: pair rows [T*k, N] (stride_om)
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tiles
     row_out_ptr,  # SCATTER: [R] int32 output row of each sorted row
-    row_w_ptr,  # HAS_RW (with SCATTER): [T * k] fp32 routing weight of each pair, read at the output row
+    row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row (mode 1 of ``kernels.moe._moe_epilogue``)
     M, N, K,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
     stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
     BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64, 128 or 256 (REPEATS = 1)

@@ -77,7 +77,7 @@ def moe_gemm_kernel(
     bias_ptr,  # [E, N_w] per-expert bias (HAS_BIAS) or unused (stride_be)
     row_x_ptr,  # [R] int32: x row of each sorted row (GATHER) or unused
     row_out_ptr,  # [R] int32: output row of each sorted row (SCATTER) or unused
-    row_w_ptr,  # [T * k] fp32 routing weight of each pair (HAS_RW, with SCATTER: read at the output row) or unused
+    row_w_ptr,  # fp32 routing weights: HAS_RW 1 [R] per sorted row, 2 [T * k] per pair (SCATTER: at the output row)
     tile_expert_ptr,  # [max_tiles] int32 expert of each tile, -1 for unused tiles
     tile_start_ptr,  # [max_tiles] int32 first sorted row of each tile
     tile_end_ptr,  # [max_tiles] int32 one past its last row
@@ -242,12 +242,14 @@ def _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows,
             res = g / (1.0 + tl.exp(-_ALPHA * g)) * (u + 1.0)
     else:
         res = g
+    if HAS_RW == 1:  # the routing weight of each sorted row
+        res = res * tl.load(row_w_ptr + rows, mask=r_mask, other=0.0)[None, :]
     if SCATTER:
         out_rows = tl.load(row_out_ptr + rows, mask=r_mask, other=0)
     else:
         out_rows = rows
-    if HAS_RW:  # the routing weights are per pair, and a scattered row's output row is its pair
-        tl.static_assert(SCATTER, "HAS_RW reads the routing weight at the pair row: SCATTER only")
+    if HAS_RW == 2:  # the routing weight of each pair: a scattered row's output row is its pair
+        tl.static_assert(SCATTER, "HAS_RW == 2 reads the routing weight at the pair row: SCATTER only")
         res = res * tl.load(row_w_ptr + out_rows, mask=r_mask, other=0.0)[None, :]
     out = out_ptr + out_rows[None, :].to(tl.int64) * stride_om + cols[:, None]
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=c_mask[:, None] & r_mask[None, :])

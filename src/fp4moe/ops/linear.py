@@ -331,16 +331,11 @@ def mma_packed(w: FP4Tensor):
     """``w`` in MMA operand order (``ops.mma_layout.pack_mma``), packed on first use and kept with
     the weight's storage (one more copy of the FP4 bytes). None while a CUDA graph is being
     captured and no pack exists yet (packing allocates): the caller then uses the Triton kernel;
-    ``FP4Linear`` packs when it is moved to a GPU, so captured graphs find the pack ready."""
-    from .mma_layout import pack_mma
+    ``FP4Linear`` packs when it is moved to a GPU, so captured graphs find the pack ready. Packed
+    again after ``w`` changed in place (``mma_layout.cached_pack``)."""
+    from .mma_layout import cached_pack, pack_mma
 
-    packed = getattr(w.data, "_fp4moe_mma", None)
-    if packed is None or packed.global_scale is not w.global_scale:
-        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        packed = pack_mma(w)
-        w.data._fp4moe_mma = packed
-    return packed
+    return cached_pack(w, pack_mma, with_global=True)
 
 
 def _forward_mma(x, x2, w, packed, bias, out, cfg):

@@ -56,6 +56,33 @@ class MMAPackedFP4:
                             None if self.global_scale is None else self.global_scale.to(device), self.shape, self.fmt)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s count of in-place writes; None for inference-mode tensors, which keep none (their
+    packs are then made once, as before writes were tracked)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def cached_pack(w: FP4Tensor, make, *, with_global: bool):
+    """The pack ``make(w)`` kept with ``w``'s storage (attribute ``_fp4moe_mma`` of ``w.data``), made
+    again when ``w`` changed since: its bytes or scales written in place (``load_state_dict``
+    copies into the buffers; torch counts in-place writes in ``Tensor._version``) or, ``with_global``,
+    its global scale replaced or written. None when a pack is needed while a CUDA graph is being
+    captured (packing allocates): the caller then runs a kernel on ``w`` itself."""
+    state = (_version(w.data), _version(w.scales))
+    if with_global:
+        state += (None,) if w.global_scale is None else (id(w.global_scale), _version(w.global_scale))
+    packed = getattr(w.data, "_fp4moe_mma", None)
+    if packed is None or getattr(w.data, "_fp4moe_mma_state", None) != state:
+        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        packed = make(w)
+        w.data._fp4moe_mma, w.data._fp4moe_mma_state = packed, state
+    return packed
+
+
 #: weight rows re-ordered per step of ``pack_mma``: bounds its temporaries (~12 bytes per value of
 #: a step) whatever the weight's size (a GLM-5 layer's experts hold 6.4 G values)
 PACK_ROWS = 4096
@@ -785,7 +812,7 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
                          row_weight: torch.Tensor | None = None, scatter: bool = False) -> torch.Tensor:
     """One launch over an MoE dispatch plan (its block_m must be ``config.block_m``): GEMM 1
     (``swiglu`` > 0: gate rows then up rows per expert, n_per_expert = 2I; writes h [R, I]) or
-    GEMM 2 (``scatter`` to the pair rows, times ``row_weight`` [T * k] read at each row's pair), with the experts' globals
+    GEMM 2 (routing weight ``row_weight`` per sorted row, ``scatter`` to the pair rows), with the experts' globals
     ``globals_`` = (tensor, mode) as ``ops.moe._weight_globals`` and bias [E, n_per_expert].
     Activations: ``x_mma_order`` when x2 already is [R, K stored] in MMA K order (GEMM 2 reading the
     h that GEMM 1 wrote with ``out_mma_order``); otherwise one ``mma_order_rows`` pass first
@@ -797,8 +824,6 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
 
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
-    if row_weight is not None and not scatter:
-        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
     if swiglu and config.repeats != 2:
         raise ValueError(f"config: GEMM 1 with the fused activation needs repeats=2 (a thread holds a gate row "
                          f"and its up row), got {config}")

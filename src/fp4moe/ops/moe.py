@@ -86,8 +86,9 @@ def _weight_globals(w: FP4Tensor) -> tuple[torch.Tensor | None, int]:
 
 
 def _pair_weights(topk_weights: torch.Tensor) -> torch.Tensor:
-    """The routing weights [T, k] as the fp32 vector [T * k] of pairs that GEMM 2's epilogue reads
-    at each scattered row's pair (no copy when they already are fp32 and contiguous)."""
+    """The routing weights [T, k] as the fp32 vector [T * k] of pairs (no copy when they already are
+    fp32 and contiguous): the Triton and mma.sync paths' GEMM 2 epilogue reads it at each scattered
+    row's pair; the wgmma path gathers it per sorted row first."""
     return topk_weights.reshape(-1).to(torch.float32).contiguous()
 
 
@@ -130,7 +131,7 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
         bias.stride(0) if bias is not None else 0, out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP=w.block_size,
         W_E4M3=w.fmt.scale_kind == "e4m3", SWIGLU=swiglu, INTERLEAVED=interleaved, GATHER=gather,
-        SCATTER=scatter, HAS_RW=row_weight is not None, WG_MODE=wg_mode,
+        SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode,
         HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, FAST_DECODE=fast, ACT=act,
         FOLD=fast_fold(act, fast, w.fmt.scale_kind == "e4m3"),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -324,20 +325,18 @@ def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: s
 def mma_packed_experts(w: FP4Tensor):
     """Stacked expert weights [E, N, K] packed as one [E * N, K] weight in MMA operand order, without
     global scales (the MoE epilogue applies them per expert or per row); kept with the weight's
-    storage like ``ops.linear.mma_packed``. None while a CUDA graph is captured and no pack exists."""
-    from .mma_layout import pack_mma
+    storage like ``ops.linear.mma_packed`` (and packed again after its bytes or scales changed in
+    place). None while a CUDA graph is captured and no current pack exists."""
+    from .mma_layout import cached_pack, pack_mma
 
-    packed = getattr(w.data, "_fp4moe_mma", None)
-    if packed is None:
-        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
+    def make(w: FP4Tensor):
         E, N, K = w.shape
         ones = torch.ones(1, dtype=torch.float32, device=w.device) if w.global_scale is not None else None
         flat = FP4Tensor(w.data.reshape(E * N, K // 2), w.scales.reshape(E * N, -1), ones, torch.Size((E * N, K)),
                          w.fmt)
-        packed = replace(pack_mma(flat), global_scale=None)
-        w.data._fp4moe_mma = packed
-    return packed
+        return replace(pack_mma(flat), global_scale=None)
+
+    return cached_pack(w, make, with_global=False)
 
 
 def mma_moe_config(rows_per_expert: float):
@@ -387,7 +386,7 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
         part.shape[1], N_w, n_out, N_w // 2, wg.stride(0) if wg_mode == 2 else 0,
         bias.stride(0) if bias is not None else 0, out.stride(0),
         SPLIT=part.shape[0], BLOCK_N=block_n, BLOCK_M=plan.block_m, SWIGLU=swiglu, INTERLEAVED=interleaved,
-        SCATTER=scatter, HAS_RW=row_weight is not None, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4)
+        SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4)
     return out
 
 
@@ -443,7 +442,8 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
     launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=True, swiglu=_SWIGLU[activation],
                          alpha=alpha, limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
     y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    row_w = _pair_weights(topk_weights)
+    # per sorted row: reading it per pair in this kernel's epilogue costs GEMM 2 ~170 B of spills
+    row_w = _pair_weights(topk_weights)[plan.sorted_pair.long()]
     launch_grouped_wgmma(h, p2, H, plan, y_pair, wgmma_gemm2_config(cfg), gather=False, x_mma_order=True,
                          globals_=_weight_globals(w2), bias=w2_bias, row_weight=row_w, scatter=True)
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
@@ -681,7 +681,7 @@ def compile_request(cfg: MoEGemmConfig, fmt: str, cc: int, *, swiglu: int, gathe
            "stride_wsn": "i32", "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32"}
     consts = {"BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "GROUP": f.block_size,
               "W_E4M3": f.scale_kind == "e4m3", "SWIGLU": swiglu, "INTERLEAVED": False, "GATHER": gather,
-              "SCATTER": scatter, "HAS_RW": scatter, "WG_MODE": int(f.has_global_scale), "HAS_BIAS": False,
+              "SCATTER": scatter, "HAS_RW": 2 if scatter else 0, "WG_MODE": int(f.has_global_scale), "HAS_BIAS": False,
               "COMPUTE_DTYPE": x_dtype if act == 0 else "bf16",
               "FAST_DECODE": fast_decode(act, x_dtype, compiled=True), "ACT": act,
               "FOLD": fast_fold(act, fast_decode(act, x_dtype, compiled=True), f.scale_kind == "e4m3")}
