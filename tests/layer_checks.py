@@ -1,6 +1,12 @@
-"""Checks shared by the packed-kernel tests (test_mma_layout.py, test_gemm_wgmma.py): a packed
-linear launcher against the reference, MoE layer variants, the MoE layer against its reference on
-a given kernel, and FP4Linear routing plus CUDA-graph capture on a given kernel."""
+"""Checks shared by the kernel tests (test_mma_layout.py, test_gemm_wgmma.py,
+test_quantize_kernel.py): cross-compilation snippets run outside the interpreter, a packed linear
+launcher against the reference, MoE layer variants, the MoE layer against its reference on a given
+kernel, and FP4Linear routing plus CUDA-graph capture on a given kernel."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -8,6 +14,20 @@ import torch
 from fp4moe.formats import MXFP4, NVFP4
 
 FMTS = [NVFP4, MXFP4]
+
+
+def run_compile_snippet(code: str, cases, timeout: float = 600):
+    """Run ``code`` (a Python script that compiles kernels for GPU targets and prints one JSON line
+    last) with ``json.dumps(cases)`` as its argument, in a subprocess without TRITON_INTERPRET
+    (under the interpreter @triton.jit objects cannot be compiled) and with this tree's src first
+    on the path; returns that line parsed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def check_packed_linear(launch, configs, fmt, M, N, K):

@@ -1,17 +1,13 @@
 """The Hopper prefill kernel (kernels/gemm_wgmma.py): configuration and launcher checks and the
 SM90 cross-compilation on CPU; the kernel itself, the linear routing and the MoE layer on the GPU."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from fp4moe.ops.mma_layout import WGMMA_MIN_M, WgmmaConfig, _x_pairs, choose_wgmma_config
 from fp4moe.quantize import quantize
-from layer_checks import FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants
+from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants,
+                          run_compile_snippet)
 
 
 def test_config_validation_and_choice():
@@ -234,14 +230,8 @@ def test_cross_compiles_for_sm90():
     from fp4moe.arch import get_arch
     from fp4moe.ops.mma_layout import wgmma_smem_terms
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(WGMMA_CASES)], env=env, capture_output=True,
-                         text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-3000:]
+    results = run_compile_snippet(_COMPILE, WGMMA_CASES, timeout=1800)
     limit = get_arch("sm90").smem_per_block_optin
-    results = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(results) == len(WGMMA_CASES)
     for r in results:
         gemm, warps, bm, stages, fmt, bias, repeats, tail = r["case"]

@@ -9,20 +9,17 @@ sm_120 with shared memory only for the partial tiles, PDL from sm_90; the decode
 table is what ptxas reports. GPU: against the reference, and deterministic.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from fp4moe.arch import get_arch
 from fp4moe.formats import MXFP4, NVFP4
 from fp4moe.formats import e4m3_to_e5m3, e5m3_to_e4m3
 from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
                                    unpack_mma)
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
-from layer_checks import FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants
+from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants,
+                          run_compile_snippet)
 
 # (activation, interleaved, per-row globals, bias)
 MOE_VARIANTS = moe_variants(("silu", False, False, False), ("silu", False, True, True), ("gpt_oss", True, False, True))
@@ -136,10 +133,10 @@ def test_choose_mma_config():
             assert c.block_m == (8 if M <= 8 else 16) and c.kw >= 2 and c.split_k == 1 and c.pdl == 2, c
             chunks = K // 64
             assert _fit_kw(c, chunks) == (c.kh, c.kw) and chunks // (c.kh * c.kw) >= 2, c
-            regs = -(-KW_REGISTERS[(fmt == "mxfp4", c.block_m, c.rb, c.kh, c.kw)] // 8) * 8
-            per_sm = min(65536 // (regs * 32 * c.kw), 2048 // (32 * c.kw))
+            per_sm = get_arch("sm90").ctas_per_sm(32 * c.kw, registers=KW_REGISTERS[(fmt == "mxfp4", c.block_m, c.rb,
+                                                                                     c.kh, c.kw)])
             assert -(-N // c.block_n) * -(-M // c.block_m) <= 132 * per_sm or N <= 16 * 132, c  # one wave
-    assert choose_mma_config(1, 12288, 6144, pdl=False).pdl == 0
+    assert choose_mma_config(1, 12288, 6144, arch="sm89").pdl == 0  # no griddepcontrol before Hopper
     assert str(choose_mma_config(1, 12288, 6144)) == "mma_n16_m8_k256_w1_kw4_pdl2"  # the H200 sweep's best
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
     assert short.kw == 1 and short.split_k == 1 and not short.pdl
@@ -216,42 +213,22 @@ def test_cross_compiles_without_shared_memory():
     """Plain and grouped (MoE) variants."""
     cases = [(80, 1, 4, 8, False, False), (90, 2, 4, 16, False, False), (90, 1, 4, 8, True, False),
              (120, 2, 4, 16, False, False), (90, 1, 4, 8, False, True), (120, 1, 4, 16, True, True)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(cases)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    for r in json.loads(res.stdout.strip().splitlines()[-1]):
+    for r in run_compile_snippet(_COMPILE, cases):
         assert r["shared"] == 0 and r["ldshared"] == 0, r  # operands never go through shared memory
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
 
 
 _COMPILE_KW = r"""
-import json, os, sys
+import dataclasses, json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
 from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
 from fp4moe.plan.crosscompile import mma_instructions
-from fp4moe.plan.worker import _ptxas
-import importlib
+from fp4moe.plan.worker import _ptxas, compile_request
 out = []
 for cc, rb, warps, kh, kw, bm, mx, pdl in json.loads(sys.argv[1]):
     req = mma_compile_request(MMAConfig(rb=rb, warps=warps, kh=kh, block_m=bm, kw=kw, pdl=pdl),
                               "mxfp4" if mx else "nvfp4", cc, 6144, has_bias=True)
-    mod, name = req.kernel.split(":")
-    cx = dict(req.constexprs)
-    lay = cx["X_LAYOUT"]
-    lm, lf = lay["layout"].split(":")
-    cx["X_LAYOUT"] = getattr(importlib.import_module(lm), lf)(*lay["args"])
-    sig = dict(req.signature)
-    sig.update({k: "constexpr" for k in cx})
-    fn = getattr(importlib.import_module(mod), name)
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}  # as the runtime
-    c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
-                       target=GPUTarget("cuda", cc, 32), options={"num_warps": req.num_warps})
+    c = compile_request(dataclasses.asdict(req))
     ptx = c.asm["ptx"]
     out.append({"cc": cc, "kw": kw, "rb": rb, "warps": warps, "bm": bm, "shared": c.metadata.shared,
                 "mma": mma_instructions(ptx), "wait": ptx.count("griddepcontrol.wait"),
@@ -266,14 +243,8 @@ def test_kw_kernel_cross_compiles_for_every_architecture():
     cases = [(80, 1, 1, 4, 4, 8, False, 2), (89, 2, 1, 2, 8, 16, True, 2), (90, 1, 1, 4, 4, 8, False, 2),
              (90, 2, 1, 4, 4, 16, True, 1), (90, 1, 2, 2, 2, 8, False, 0), (100, 1, 1, 4, 8, 8, False, 2),
              (120, 2, 1, 4, 4, 16, False, 2)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", _COMPILE_KW, json.dumps(cases)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    for case, r in zip(cases, json.loads(res.stdout.strip().splitlines()[-1])):
-        pdl = case[-1] if r["cc"] >= 90 else 0
+    for case, r in zip(cases, run_compile_snippet(_COMPILE_KW, cases)):
+        pdl = case[-1] if get_arch(r["cc"]).has_pdl else 0
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
         assert 0 < r["shared"] <= r["kw"] * 16 * r["rb"] * r["warps"] * r["bm"] * 4, r  # the partial tiles at most
         assert (r["wait"] > 0) == (pdl > 0) and (r["launch"] > 0) == (pdl > 0), r

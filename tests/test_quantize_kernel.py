@@ -7,13 +7,8 @@ algorithm the GPU runs (the interpreter emulates the fused multiply-adds exactly
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +25,7 @@ from fp4moe.ops.quantize import (
     quantize_activations,
     quantize_activations_reference,
 )
+from layer_checks import run_compile_snippet
 
 INF = torch.tensor(math.inf)
 ZERO = torch.tensor(0.0)
@@ -423,13 +419,7 @@ def test_cross_compiles_for_every_generation():
     """SM80 (no FP8 conversion), SM89, SM90, SM100, SM120 from this CPU machine, in a subprocess
     without TRITON_INTERPRET (under the interpreter @triton.jit objects cannot be compiled)."""
     ccs = [80, 89, 90, 100, 120]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _CROSS_COMPILE, json.dumps(ccs)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_compile_snippet(_CROSS_COMPILE, ccs, timeout=300)
     assert [r["cc"] for r in results] == ccs
     for r in results:
         print(r)

@@ -75,6 +75,7 @@ class Arch:
     fp4_mma: FP4MMA
     bf16_mma: BF16MMA
     has_tma: bool  # bulk tensor copies (cp.async.bulk.tensor)
+    has_pdl: bool  # programmatic dependent launch (griddepcontrol.wait / launch_dependents)
     has_multicast: bool  # TMA multicast to the CTAs of a cluster
     max_cluster_size: int  # portable cluster size fp4moe may plan for (1: no clusters)
     has_tmem: bool  # tensor memory (tcgen05 accumulators)
@@ -102,6 +103,16 @@ class Arch:
         """Arguments of ``triton.backends.compiler.GPUTarget(backend, arch, warp_size)``."""
         return ("cuda", self.sm_version, 32)
 
+    def ctas_per_sm(self, threads: int, *, registers: int | None = None, smem_bytes: int = 0) -> int:
+        """Programs of ``threads`` threads resident on one SM (at least 1), limited by threads, by
+        shared memory (1 KB reserved per block) and, when known, by registers per thread (allocated
+        per warp in units of 256, i.e. rounded up to 8 per thread); at most 32 per SM. CUDA guide,
+        occupancy calculation."""
+        limits = [self.smem_per_sm // (smem_bytes + 1024), self.max_threads_per_sm // threads, 32]
+        if registers:
+            limits.append(self.regs_per_sm // (-(-registers // 8) * 8 * threads))
+        return max(1, min(limits))
+
     @property
     def has_native_fp4(self) -> bool:
         """True where FP4 x FP4 block-scaled MMA runs on the tensor cores."""
@@ -126,6 +137,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="none",  # FP4 tensor-core MMA needs sm_100a/sm_120a (PTX ISA)
         bf16_mma="mma.sync",  # PTX ISA: mma.sync bf16 from sm_80
         has_tma=False,  # TMA arrives with sm_90 (PTX ISA, cp.async.bulk.tensor)
+        has_pdl=False,
         has_multicast=False,
         max_cluster_size=1,  # thread-block clusters need cc 9.0 (CUDA guide)
         has_tmem=False,
@@ -142,6 +154,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="none",
         bf16_mma="mma.sync",
         has_tma=False,
+        has_pdl=False,
         has_multicast=False,
         max_cluster_size=1,
         has_tmem=False,
@@ -158,6 +171,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="none",  # Ada has FP8 but no FP4 tensor cores (Ada GPU architecture whitepaper)
         bf16_mma="mma.sync",
         has_tma=False,
+        has_pdl=False,
         has_multicast=False,
         max_cluster_size=1,
         has_tmem=False,
@@ -174,6 +188,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="none",  # Hopper tensor cores stop at FP8 (NVIDIA H100 whitepaper)
         bf16_mma="wgmma",  # PTX ISA: wgmma.mma_async, sm_90a
         has_tma=True,  # PTX ISA: cp.async.bulk.tensor from sm_90
+        has_pdl=True,  # PTX ISA: griddepcontrol from sm_90
         has_multicast=True,  # PTX ISA: .multicast::cluster from sm_90
         max_cluster_size=8,  # CUDA guide: portable cluster size 8 (16 is non-portable)
         has_tmem=False,
@@ -190,6 +205,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="tcgen05",  # PTX ISA: tcgen05.mma kind::mxf4nvf4, sm_100a
         bf16_mma="tcgen05",
         has_tma=True,
+        has_pdl=True,
         has_multicast=True,
         max_cluster_size=8,  # CUDA guide: portable cluster size 8
         has_tmem=True,
@@ -206,6 +222,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="tcgen05",  # PTX ISA: tcgen05 on sm_103a (Blackwell Ultra)
         bf16_mma="tcgen05",
         has_tma=True,
+        has_pdl=True,
         has_multicast=True,
         max_cluster_size=8,
         has_tmem=True,
@@ -222,6 +239,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="mma_sync_block_scaled",  # PTX ISA: mma.sync m16n8k64 kind::mxf4nvf4.block_scale, sm_120a
         bf16_mma="mma.sync",  # no wgmma, no tcgen05 on sm_120 (PTX ISA)
         has_tma=True,  # cp.async.bulk.tensor is available on sm_120
+        has_pdl=True,
         has_multicast=False,  # CUTLASS SM120 GEMMs: no TMA multicast
         max_cluster_size=1,  # CUTLASS SM120 GEMMs use cluster 1x1x1 (REFERENCE.md); fp4moe plans no clusters here
         has_tmem=False,
@@ -238,6 +256,7 @@ _ARCH_LIST: tuple[Arch, ...] = (
         fp4_mma="mma_sync_block_scaled",  # same instruction family as sm_120 (PTX ISA, sm_121a)
         bf16_mma="mma.sync",
         has_tma=True,
+        has_pdl=True,
         has_multicast=False,
         max_cluster_size=1,  # as sm120
         has_tmem=False,

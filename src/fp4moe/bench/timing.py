@@ -100,13 +100,7 @@ def time_cuda_graph(
 
     if iters_per_graph < 1 or reps < 1 or warmup < 1:
         raise ValueError(f"expected iters_per_graph, reps, warmup >= 1, got {iters_per_graph}, {reps}, {warmup}")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup - 1):
-            fn()
-        (last_ms,) = _timed(fn, 1)
-    torch.cuda.current_stream().wait_stream(side)
+    last_ms = _warm_up(fn, warmup)
     if budget_ms is not None:
         calls = max(1, int(budget_ms / max(last_ms, 1e-3)))
         reps = max(min(reps, 5), min(reps, calls // iters_per_graph))
@@ -116,10 +110,8 @@ def time_cuda_graph(
         for _ in range(iters_per_graph):
             fn()
 
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            batch()
+        graph = _capture(batch)
     except Exception:  # capture is not possible for this fn: time it eagerly instead
         _release_rng_after_failed_capture()
         torch.cuda.synchronize()
@@ -129,6 +121,31 @@ def time_cuda_graph(
     samples = [ms * 1e3 / iters_per_graph for ms in _timed(graph.replay, reps)]
     del graph
     return summarize(samples, graph=True)
+
+
+def _warm_up(fn: Callable[[], Any], calls: int) -> float:
+    """``calls`` eager calls on a side stream (torch's CUDA-graph docs ask for it before capture; they
+    also compile Triton kernels); the milliseconds of the last one."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(calls - 1):
+            fn()
+        (last_ms,) = _timed(fn, 1)
+    torch.cuda.current_stream().wait_stream(side)
+    return last_ms
+
+
+def _capture(fn: Callable[[], Any]):
+    """``fn`` captured in a CUDA graph (raises what the capture raises)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def kernel_times(fn: Callable[[], Any], calls: int = 20) -> dict[str, float]:
@@ -141,15 +158,13 @@ def kernel_times(fn: Callable[[], Any], calls: int = 20) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    _warm_up(fn, 1)
+
+    def batch() -> None:
         for _ in range(calls):
             fn()
+
+    graph = _capture(batch)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -310,13 +310,12 @@ def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_coun
     W4A16 decode (M <= MAX_M) on the mma.sync kernel, which every catalogued architecture, SM80 on,
     has (an ``MMAConfig``); W4A16 prefill (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
     ``WgmmaConfig``). The rest (M in between, other architectures' prefill, W4A4) on the Triton kernel."""
-    from .mma_layout import MAX_M, PDL_MIN_SM, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
+    from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
 
     if path != "w4a16" or arch is None:
         return None
     if M <= MAX_M:
-        return choose_mma_config(M, N, K, sm_count or 132, fmt=fmt, regs_per_sm=arch.regs_per_sm,
-                                 threads_per_sm=arch.max_threads_per_sm, pdl=arch.sm_version >= PDL_MIN_SM)
+        return choose_mma_config(M, N, K, sm_count or 132, fmt=fmt, arch=arch)
     if M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma":
         return choose_wgmma_config(M, N, K, sm_count or 132)
     return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..arch import Arch, get_arch
 from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
 from ._runtime import check_weight_scale_range
@@ -250,25 +251,24 @@ KW_REGISTERS = {
     (True, 16, 1, 4, 4): 128, (True, 16, 1, 4, 8): 128, (True, 16, 2, 2, 2): 122, (True, 16, 2, 2, 4): 122,
     (True, 16, 2, 2, 8): 126, (True, 16, 2, 4, 2): 188, (True, 16, 2, 4, 4): 188, (True, 16, 2, 4, 8): 188,
 }
-#: the first architecture with programmatic dependent launch (griddepcontrol)
-PDL_MIN_SM = 90
 #: weight bytes in flight per SM that the decode heuristic aims for (Little's law at ~4.3 TB/s over
 #: 132 SMs and ~1.2 us of loaded DRAM latency)
 DECODE_INFLIGHT_BYTES = 40_000
 
 
 def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Format | str = NVFP4,
-                      regs_per_sm: int = 65536, threads_per_sm: int = 2048, pdl: bool = True) -> MMAConfig:
+                      arch: Arch | str | None = None) -> MMAConfig:
     """The decode configuration (M <= MAX_M): K split over the warps of each program
     (``MMAConfig.kw``, one launch) with PDL, chosen by an occupancy model (H200 sweep,
     scripts/sweep_decode_kw.py): every program resident at once (one wave, from
     ``KW_REGISTERS``), then the most weight bytes in flight per SM up to
     ``DECODE_INFLIGHT_BYTES`` (one loop step per warp is in flight while the previous one decodes),
     then (ties) longer steps, then more resident warps. Each warp runs at least 2 loop steps (4 for 16-token programs,
-    whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. ``pdl``: the
-    target has programmatic dependent launch (SM90 on, ``PDL_MIN_SM``)."""
+    whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. Occupancy
+    limits and PDL from the catalogue entry of ``arch`` (default SM90, where the model was fitted)."""
     from ..formats import get_format
 
+    arch = get_arch(arch or "sm90")
     mx = get_format(fmt) is not NVFP4
     block_m = 8 if M <= 8 else 16
     chunks = -(-K // KCHUNK)
@@ -279,14 +279,15 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
             for kw in (2, 4, 8):
                 if chunks % (kh * kw) or chunks // (kh * kw) < min_steps:
                     continue
-                regs = -(-KW_REGISTERS[(mx, block_m, rb, kh, kw)] // 8) * 8
-                per_sm = min(regs_per_sm // (regs * 32 * kw), threads_per_sm // (32 * kw), 32)
+                per_sm = arch.ctas_per_sm(32 * kw, registers=KW_REGISTERS[(mx, block_m, rb, kh, kw)],
+                                          smem_bytes=kw * 16 * rb * block_m * 4)  # the partial tiles
                 programs = -(-N // (16 * rb)) * -(-M // block_m)
                 resident = min(programs / sm_count, per_sm)
                 inflight = min(resident * kw * rb * kh * 512, DECODE_INFLIGHT_BYTES)
                 score = (programs <= per_sm * sm_count, inflight, kh, resident * kw)
                 if best_score is None or score > best_score:
-                    best, best_score = MMAConfig(rb=rb, warps=1, kh=kh, block_m=block_m, kw=kw, pdl=2 if pdl else 0), score
+                    best, best_score = MMAConfig(rb=rb, warps=1, kh=kh, block_m=block_m, kw=kw,
+                                                 pdl=2 if arch.has_pdl else 0), score
     if best is None:  # K too short to split over warps: one warp per program, K in one slice
         kh = _fit_kh(4, chunks)
         return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
@@ -320,6 +321,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
 
     from ..kernels.linear_mma import (DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kw_kernel, scale_asm,
                                       x_layout_kw)
+    from .linear import device_arch
 
     if x2.dtype != torch.bfloat16:
         raise TypeError(f"x: the MMA-layout kernel takes bfloat16 activations, got {x2.dtype}")
@@ -329,7 +331,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     mx = p.fmt is not NVFP4
     unused = p.scales
     pdl = config.pdl
-    if pdl and torch.cuda.get_device_capability(p.words.device)[0] * 10 < PDL_MIN_SM:
+    if pdl and not device_arch(p.words.device).has_pdl:
         pdl = 0  # no griddepcontrol before Hopper: an ordinary launch
     if pdl == 2 and not getattr(p.words, "_fp4moe_launched", False):
         # the kernel before this first launch may be the one that wrote the pack: wait before any load
@@ -398,7 +400,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                           SCALE=scale_asm(mx),
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
                                     "args": [config.block_m, kh, config.warps, kw]},
-                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if cc >= PDL_MIN_SM else 0)
+                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
@@ -794,8 +796,6 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
 def ws_maxnreg(warps: int) -> int:
     """The register cap under which one program of ``warps`` warps fits an SM90's register file, a
     multiple of 8 as ``setmaxnreg`` counts (12 warps: 168)."""
-    from ..arch import get_arch
-
     return get_arch("sm90").regs_per_sm // (32 * warps) // 8 * 8
 
 

@@ -182,14 +182,6 @@ class KernelSpec(ABC, Generic[P, C]):
         return config
 
 
-def _occupancy(arch: Arch, smem_bytes: int, threads: int, registers: int | None) -> int:
-    """CTAs resident per SM: shared memory (1 KiB reserved per CTA, CUDA guide), threads, registers."""
-    limits = [arch.smem_per_sm // (smem_bytes + 1024), arch.max_threads_per_sm // threads, 32]
-    if registers:
-        limits.append(arch.regs_per_sm // (registers * threads))
-    return max(1, min(limits))
-
-
 def _roofline(gpu: GPU, *, nbytes: float, flops: float, peak_tflops: float, programs: int, ctas_per_sm: int,
               l2_bytes: float = 0.0, extra_us: float = 0.0) -> tuple[float, Literal["memory", "compute"], int]:
     """Time of one kernel: waves of programs over the SMs, bandwidth shared by the active SMs.
@@ -390,7 +382,7 @@ class LinearSpec(KernelSpec[LinearProblem, Any]):
         if peak is None:
             raise ValueError(f"model_time: {gpu.name} has no FP4 peak in the catalogue; it cannot run {path}")
         smem = self.smem_model(config, problem, arch).total
-        ctas = _occupancy(arch, smem, 32 * config.num_warps, registers)
+        ctas = arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
         extra = 0.0
         if split > 1:  # the reduction kernel reads the partials and writes y
             extra = (split * M * N * 4 + M * N * 2) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
@@ -507,22 +499,21 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         """What the runtime's decode heuristic chooses from: K split over 2, 4 or 8 warp groups of
         one program, one or two 16-row blocks per warp, 128 or 256 K per step (PDL where the
         target has it); for K too short to split over warps, the heuristic's one program per tile."""
-        from ..ops.mma_layout import PDL_MIN_SM, MMAConfig
+        from ..ops.mma_layout import MMAConfig
 
         chosen = self.heuristic(problem, arch, sm_count)
         if chosen.kw == 1:
             return [chosen]
-        pdl = 2 if arch.sm_version >= PDL_MIN_SM else 0
+        pdl = 2 if arch.has_pdl else 0
         return [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=pdl) for rb in (1, 2)
                 for kh in (2, 4) for kw in (2, 4, 8)]
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
-        from ..ops.mma_layout import PDL_MIN_SM, choose_mma_config
+        from ..ops.mma_layout import choose_mma_config
 
         self.check_problem(problem)
         return choose_mma_config(problem.M, problem.N, problem.K, sm_count or default_gpu(arch).sm_count,
-                                 fmt=problem.fmt, regs_per_sm=arch.regs_per_sm,
-                                 threads_per_sm=arch.max_threads_per_sm, pdl=arch.sm_version >= PDL_MIN_SM)
+                                 fmt=problem.fmt, arch=arch)
 
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
@@ -545,7 +536,8 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         nbytes = w_once + x_once + out_bytes
         flops = 2 * (tiles_m * config.block_m) * (tiles_n * config.block_n) * K
         peak = gpu.bf16_dense_tflops
-        ctas = _occupancy(gpu.arch, 0, 32 * config.warps * config.kw, registers)
+        ctas = gpu.arch.ctas_per_sm(32 * config.warps * config.kw, registers=registers,
+                                    smem_bytes=self.smem_model(config, problem, gpu.arch).total)
         notes = []
         extra = 0.0
         if split > 1:
@@ -604,7 +596,7 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
         flops = 2 * (tiles_m * bm) * (tiles_n * bn) * K
         peak = gpu.bf16_dense_tflops
         smem = self.smem_model(config, problem, gpu.arch).total
-        ctas = _occupancy(gpu.arch, smem, 32 * config.warps, registers)
+        ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=smem)
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=tiles_m * tiles_n,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=SECOND_KERNEL_US)
         bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
@@ -737,7 +729,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
             extra = M * K * xb / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
             notes.append("dynamic global scale: an absmax pass reads x first")
         smem = self.smem_model(config, problem, gpu.arch).total
-        ctas = _occupancy(gpu.arch, smem, 32 * config.num_warps, registers)
+        ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
         flops = 30 * M * K  # ~30 fp32 operations per element (scale, divide by reciprocal, round, pack)
         peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate: roughly 1/16 of the dense bf16 tensor rate
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
@@ -955,7 +947,7 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
             raise ValueError(f"model_time: {gpu.name} has no FP4 peak in the catalogue; it cannot run "
                              f"{_MOE_VARIANTS[act]}")
         smem = self.smem_model(config, problem, arch).total
-        ctas = _occupancy(arch, smem, 32 * config.num_warps, registers)
+        ctas = arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes)
         bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * R * rows_w * K / (peak * 1e6))
@@ -1018,7 +1010,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         nbytes = experts * w_expert + x_rows + partials
         flops = 2 * (tiles * bm) * (tiles_n * config.block_n) * problem.K
         peak = gpu.bf16_dense_tflops
-        ctas = _occupancy(gpu.arch, 0, 32 * config.warps, registers)
+        ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=0)
         out_bytes = problem.pairs * problem.N * (2 if problem.gemm == 1 else 4)
         # the epilogue kernel reads the partials and writes h (GEMM 1) or the pair rows (GEMM 2)
         extra = (partials + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
@@ -1097,7 +1089,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
         flops = 2 * (tiles * bm) * (tiles_n * rows) * problem.K
         peak = gpu.bf16_dense_tflops
         smem = self.smem_model(config, problem, gpu.arch).total
-        ctas = _occupancy(gpu.arch, smem, 32 * config.warps, registers)
+        ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=smem)
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes,
                                        extra_us=SECOND_KERNEL_US if problem.gemm == 1 else 0.0)

@@ -61,16 +61,14 @@ def smem_buffers(ttgir: str) -> list[str]:
     return _LOCAL_ALLOC.findall(ttgir)
 
 
-def _compile_one(req: dict) -> dict:
+def compile_request(req: dict):
+    """Triton's compiled kernel for one request (a ``CompileRequest`` as a dict), built as the
+    runtime launch would specialise it (divisibility of the arguments named in the request)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
-    from fp4moe.plan.crosscompile import mma_instructions
-    from fp4moe.plan.sass import wgmma_register_hazards
-
-    start = time.perf_counter()
     module, name = req["kernel"].split(":")
     fn = getattr(importlib.import_module(module), name)
     constexprs = {k: _dtype(v) for k, v in req["constexprs"].items()}
@@ -86,7 +84,15 @@ def _compile_one(req: dict) -> dict:
         options = {"num_warps": req["num_warps"], "num_stages": req["num_stages"]}
     if req.get("maxnreg"):
         options["maxnreg"] = req["maxnreg"]
-    compiled = triton.compile(src, target=GPUTarget("cuda", req["cc"], 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", req["cc"], 32), options=options)
+
+
+def _compile_one(req: dict) -> dict:
+    from fp4moe.plan.crosscompile import mma_instructions
+    from fp4moe.plan.sass import wgmma_register_hazards
+
+    start = time.perf_counter()
+    compiled = compile_request(req)
     ptx = compiled.asm["ptx"]
     mma = mma_instructions(ptx)
     # a wgmma reading A from registers must find them untouched until it retires (plan.sass)
