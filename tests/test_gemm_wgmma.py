@@ -13,7 +13,7 @@ from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_pa
 def test_config_validation_and_choice():
     assert str(WgmmaConfig()) == "wgmma_n128_m128_s4_g8"
     with pytest.raises(ValueError, match="block_m"):
-        WgmmaConfig(block_m=32)
+        WgmmaConfig(block_m=48)
     with pytest.raises(ValueError, match="stages"):
         WgmmaConfig(stages=2)
     with pytest.raises(ValueError, match="warps"):
@@ -32,13 +32,25 @@ def test_config_validation_and_choice():
     wide = dict(stages=4, group_m=8, warps=8, repeats=1)
     assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=256, **wide)
     # the fewest waves x rows, on 132 SMs (what the H200 sweep measured fastest at each point)
-    assert choose_wgmma_config(WGMMA_MIN_M, 4096, 6144).block_m == 64  # one wave either way: fewest rows
+    assert choose_wgmma_config(96, 4096, 6144).block_m == 64  # one wave either way: fewest rows
     assert choose_wgmma_config(256, 6144, 12288).block_m == 128  # 96 programs: one wave of 128 rows
     assert choose_wgmma_config(512, 12288, 6144).block_m == 128  # 3 waves x 128 < 2 waves x 256
     assert choose_wgmma_config(1024, 12288, 6144).block_m == 256  # 6 x 128 = 3 x 256: the taller tile
     assert choose_wgmma_config(1024, 6144, 2048).block_m == 128
     assert choose_wgmma_config(1024, 6144, 2048, sm_count=200).block_m == 256  # fewer SMs, other waves
     assert WGMMA_MIN_M > 16  # decode sizes stay on the mma.sync kernel
+    # small batches: 32/64-row tiles of one warpgroup, K split over up to 3 programs per SM, >= 8 chunks each
+    small = dict(stages=4, warps=4, repeats=2)
+    assert choose_wgmma_config(17, 12288, 6144) == WgmmaConfig(block_m=32, split_k=4, **small)  # 96 x 4 <= 396
+    assert choose_wgmma_config(64, 6144, 12288) == WgmmaConfig(block_m=64, split_k=8, **small)
+    assert choose_wgmma_config(64, 6144, 2048).split_k == 4  # 32 chunks: 8 per split
+    assert choose_wgmma_config(64, 6144, 256).split_k == 1  # 4 chunks: too few to split
+    assert choose_wgmma_config(40, 12288, 6144, sm_count=32).split_k == 1  # 96 tiles already fill 32 SMs
+    assert str(WgmmaConfig(block_m=32, split_k=4)) == "wgmma_n128_m32_s4_g8_split4"
+    for bad in (dict(split_k=0), dict(split_k=65), dict(split_k=2, tail_m=64),
+                dict(split_k=2, warps=8, repeats=1, block_m=256, ws=True)):
+        with pytest.raises(ValueError, match="split_k"):
+            WgmmaConfig(**bad)
     ws = WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True)
     assert str(ws) == "wgmma_n128_m256_s4_g8_r1_ws" and not choose_wgmma_config(4096, 12288, 6144).ws
     for bad in (dict(warps=4, repeats=1), dict(warps=8, repeats=2), dict(warps=8, repeats=1, stages=2),
@@ -51,9 +63,20 @@ def test_moe_config_choice():
     from fp4moe.ops.mma_layout import MMAConfig
     from fp4moe.ops.moe import mma_moe_config, wgmma_moe_config
 
+    from fp4moe.arch import get_arch
+    from fp4moe.ops.moe import WGMMA_MOE_MIN_ROWS, packed_moe_kernel
+
     assert isinstance(mma_moe_config(3.0), MMAConfig)
+    assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
     assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)
+    sm80, sm90 = get_arch("sm80"), get_arch("sm90")
+    assert packed_moe_kernel(sm90, WGMMA_MOE_MIN_ROWS, 4096, 6144, False) == "mma"
+    assert packed_moe_kernel(sm90, 16.0, 4096, 6144, False) == "wgmma"
+    assert packed_moe_kernel(sm90, 16.0, 4096, 6144, True) == "mma"  # interleaved gate/up: not on wgmma
+    assert packed_moe_kernel(sm80, 16.0, 4096, 6144, False) == "mma"  # no wgmma: decode kernel to MAX_M
+    assert packed_moe_kernel(sm80, 17.0, 4096, 6144, False) is None
+    assert packed_moe_kernel(sm90, 1.0, 4096, 6136, False) is None  # rows not whole 16-row blocks
 
 
 def test_guard_probe_runs_both_tile_heights():
@@ -166,16 +189,16 @@ from fp4moe.plan.crosscompile import mma_instructions
 from fp4moe.plan.sass import count_hgmma, sass_of_ptx, wgmma_register_hazards
 out = []
 fn = G.fp4_gemm_wgmma_kernel
-for gemm, warps, bm, stages, fmt, bias, repeats, tail in json.loads(sys.argv[1]):
-    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail), fmt,
-                                90, gemm=gemm, has_bias=bias)
+for gemm, warps, bm, stages, fmt, bias, repeats, tail, split in json.loads(sys.argv[1]):
+    req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail,
+                                            split_k=split), fmt, 90, gemm=gemm, has_bias=bias)
     sig = dict(req.signature, **{k: "constexpr" for k in req.constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=req.constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
     sass = sass_of_ptx(ptx, 90)
-    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail, split], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
                 "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
@@ -209,17 +232,37 @@ def test_wgmma_register_hazard_check():
     assert count_hgmma(_SASS_LOOP % (0, "NOP")) == 2
 
 
+def test_loop_spill_count():
+    """Spill stores and loads count when they sit between the first and last HGMMA (the main loop),
+    not after it (an epilogue's), and a kernel without HGMMA has none in its loop."""
+    from fp4moe.plan.sass import loop_local_memory_ops
+
+    epilogue = _SASS_LOOP % (0, "STL.64 [R1], R2")
+    assert loop_local_memory_ops(epilogue) == 0
+    inside = epilogue.replace("IMAD R12, R13, 0x2, RZ", "LDL.LU.64 R2, [R1]").replace(
+        "HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR4], R88, gsb0 ;", "STL [R1+0x8], R5 ;\n        /*0124*/ "
+        "HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR4], R88, gsb0 ;")
+    assert loop_local_memory_ops(inside) == 1  # the STL between the two HGMMAs; the LDL after the last
+    assert loop_local_memory_ops("        /*0000*/ STL [R1], R2 ;\n") == 0
+
+
 # the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and
 # the rest of the shape space (two warpgroups, 3- and 6-deep rings, MXFP4), compiled as launched
-# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m)
-WGMMA_CASES = [("linear", 4, 128, 4, "nvfp4", True, 2, 0), ("linear", 4, 64, 4, "nvfp4", False, 2, 0),
-               ("linear", 4, 64, 3, "mxfp4", True, 2, 0), ("linear", 8, 128, 6, "nvfp4", True, 2, 0),
-               ("linear", 8, 128, 4, "mxfp4", False, 2, 0), ("linear", 8, 256, 4, "nvfp4", True, 1, 0),
-               ("linear", 4, 256, 3, "mxfp4", False, 1, 0), ("gemm1", 4, 64, 4, "nvfp4", False, 2, 0),
-               ("gemm1", 4, 128, 4, "mxfp4", True, 2, 64), ("gemm1", 8, 128, 4, "nvfp4", True, 2, 0),
-               ("gemm1", 4, 128, 4, "nvfp4", False, 2, 64), ("gemm2", 4, 128, 4, "nvfp4", False, 2, 64),
-               ("gemm2", 4, 64, 4, "mxfp4", True, 2, 0), ("gemm2", 4, 128, 3, "nvfp4", True, 2, 0),
-               ("gemm2", 8, 128, 4, "nvfp4", False, 1, 0), ("gemm2", 8, 256, 4, "mxfp4", False, 1, 128)]
+# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m, split_k)
+WGMMA_CASES = [c + (1,) for c in [
+    ("linear", 4, 128, 4, "nvfp4", True, 2, 0), ("linear", 4, 64, 4, "nvfp4", False, 2, 0),
+    ("linear", 4, 64, 3, "mxfp4", True, 2, 0), ("linear", 8, 128, 6, "nvfp4", True, 2, 0),
+    ("linear", 8, 128, 4, "mxfp4", False, 2, 0), ("linear", 8, 256, 4, "nvfp4", True, 1, 0),
+    ("linear", 4, 256, 3, "mxfp4", False, 1, 0), ("gemm1", 4, 64, 4, "nvfp4", False, 2, 0),
+    ("gemm1", 4, 128, 4, "mxfp4", True, 2, 64), ("gemm1", 8, 128, 4, "nvfp4", True, 2, 0),
+    ("gemm1", 4, 128, 4, "nvfp4", False, 2, 64), ("gemm2", 4, 128, 4, "nvfp4", False, 2, 64),
+    ("gemm2", 4, 64, 4, "mxfp4", True, 2, 0), ("gemm2", 4, 128, 3, "nvfp4", True, 2, 0),
+    ("gemm2", 8, 128, 4, "nvfp4", False, 1, 0), ("gemm2", 8, 256, 4, "mxfp4", False, 1, 128),
+    ("gemm1", 4, 32, 4, "nvfp4", False, 2, 0), ("gemm2", 4, 32, 4, "mxfp4", True, 2, 0),
+    ("gemm1", 4, 16, 6, "mxfp4", False, 2, 0), ("gemm2", 8, 16, 4, "nvfp4", False, 2, 0)]] + [
+    # small batches: K split over programs (fp32 partials, bias in the reduction)
+    ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4), ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8),
+    ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2)]
 
 
 def test_cross_compiles_for_sm90():
@@ -234,9 +277,9 @@ def test_cross_compiles_for_sm90():
     limit = get_arch("sm90").smem_per_block_optin
     assert len(results) == len(WGMMA_CASES)
     for r in results:
-        gemm, warps, bm, stages, fmt, bias, repeats, tail = r["case"]
-        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail)
-        model = sum(each * count for _, each, count in wgmma_smem_terms(cfg))
+        gemm, warps, bm, stages, fmt, bias, repeats, tail, split = r["case"]
+        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail, split_k=split)
+        model = sum(each * count for _, each, count in wgmma_smem_terms(cfg, fmt))
         assert r["shared"] == model and r["shared"] <= limit, r
         assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
         assert r["decode"] > 0 and r["cp_async"] == 0 and r["tma"] > 0 and r["mbarrier_wait"] > 0, r  # all by TMA
@@ -293,7 +336,9 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
     configs = (WgmmaConfig(), WgmmaConfig(block_m=64, stages=3), WgmmaConfig(stages=6, group_m=2, warps=8),
                WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=4, repeats=1, stages=3),
                WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True),
-               WgmmaConfig(block_m=64, warps=8, repeats=1, stages=6, ws=True))
+               WgmmaConfig(block_m=64, warps=8, repeats=1, stages=6, ws=True),
+               WgmmaConfig(block_m=32, split_k=4), WgmmaConfig(block_m=64, split_k=3, stages=6),
+               WgmmaConfig(block_m=16, warps=8, repeats=1, split_k=8))
     check_packed_linear(launch_linear_wgmma, configs, fmt, M, N, K)
 
 
@@ -311,7 +356,8 @@ def test_gpu_fp4_linear_routes_prefill_to_wgmma_and_graphs_work():
 @pytest.mark.parametrize("T,E,k,H,I", [(512, 8, 2, 256, 128), (700, 16, 4, 512, 256), (257, 5, 1, 128, 64),
                                        (300, 6, 3, 320, 96),
                                        (400, 8, 2, 192, 192),  # odd chunk counts in both GEMMs
-                                       (300, 6, 2, 128, 32)])  # I below half a program's rows
+                                       (300, 6, 2, 128, 32),  # I below half a program's rows
+                                       (64, 16, 4, 512, 256), (40, 8, 4, 256, 128)])  # 16, 20 rows: 32-row tiles
 def test_gpu_moe_prefill_on_wgmma(fmt, activation, interleaved, per_row, bias, T, E, k, H, I):
     """fp4_moe_experts routes prefill-sized W4A16 layers (gate-then-up w13) to the wgmma kernel:
     same numbers as the reference, dropped slots skipped, deterministic."""
@@ -319,8 +365,8 @@ def test_gpu_moe_prefill_on_wgmma(fmt, activation, interleaved, per_row, bias, T
 
 
 def test_linear_routing_per_architecture():
-    """fp4_linear's choice for bf16 activations: mma.sync at decode everywhere, wgmma at prefill on
-    SM90 only, the Triton kernel in between and for W4A4."""
+    """fp4_linear's choice for bf16 activations: mma.sync at decode everywhere, wgmma above it on
+    SM90 only (split along K at small batches), the Triton kernel elsewhere and for W4A4."""
     from fp4moe.arch import get_arch
     from fp4moe.ops.linear import packed_config
     from fp4moe.ops.mma_layout import MMAConfig
@@ -328,8 +374,9 @@ def test_linear_routing_per_architecture():
     sm80, sm90, sm120 = get_arch("sm80"), get_arch("sm90"), get_arch("sm120")
     assert isinstance(packed_config("w4a16", sm80, 4, 4096, 4096), MMAConfig)
     assert isinstance(packed_config("w4a16", sm90, 16, 4096, 4096), MMAConfig)
-    assert packed_config("w4a16", sm90, 64, 4096, 4096) is None
+    assert packed_config("w4a16", sm90, 64, 4096, 4096).split_k > 1
     assert isinstance(packed_config("w4a16", sm90, WGMMA_MIN_M, 4096, 4096), WgmmaConfig)
+    assert packed_config("w4a16", sm80, 64, 4096, 4096) is None
     assert packed_config("w4a16", sm80, 4096, 4096, 4096) is None
     assert packed_config("w4a16", sm120, 4096, 4096, 4096) is None
     assert packed_config("w4a4_emulated", sm90, 4096, 4096, 4096) is None

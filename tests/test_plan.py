@@ -88,7 +88,8 @@ def _default_problems(arch):
 
 @pytest.mark.parametrize("cc", [120, 90])
 def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
-    """The runtime heuristic of every kernel, cross-compiled: fits the chip, does not spill, uses
+    """The runtime heuristic of every kernel, cross-compiled: fits the chip, does not spill (in the
+    main loop: GEMM 2's 255 registers spill 16 B in its epilogue since the scales came by TMA), uses
     the architecture's MMA (the block-scaled FP4 mma.sync for W4A4 on SM120), and the model agrees."""
     arch = get_arch(cc)
     items = _default_problems(arch)
@@ -100,7 +101,9 @@ def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
         where = f"{spec.name} {problem} {cfg} on sm{cc}"
         assert r.ok, f"{where}: {r.error}"
         assert r.shared <= arch.smem_per_block_optin, f"{where}: {r.shared:,} B > {arch.smem_per_block_optin:,} B"
-        assert r.spill_bytes is not None and r.spill_bytes <= SPILL_LIMIT_BYTES, f"{where}: {r.ptxas_log}"
+        # the planner's rule: no spill, or (wgmma kernels, whose SASS is read) none inside the main loop
+        assert r.spill_bytes is not None, f"{where}: {r.ptxas_log}"
+        assert r.spill_bytes <= SPILL_LIMIT_BYTES or r.loop_spill_ops == 0, f"{where}: {r.ptxas_log}"
         expectation = spec.expected_mma(problem, arch)
         if expectation is not None:
             assert expectation.violation(r.mma) is None, f"{where}: {expectation.violation(r.mma)}"

@@ -73,82 +73,96 @@ def mma_pair(s):
 
 
 @gluon.jit
-def _row_block(pid_n, rb, N_RB, I_RB, WARPS: gl.constexpr, NB: gl.constexpr, SWIGLU: gl.constexpr):
-    """Weight 16-row block of tile row block ``rb`` (0 .. NB - 1; warp w holds w, and WARPS + w when
-    NB = 2 WARPS): GEMM 1 (NB = 2 WARPS) reads WARPS gate blocks then the matching up blocks I_RB
-    further; otherwise NB consecutive blocks (clamped to the last one: rows past N are read, never
-    stored)."""
-    if SWIGLU > 0:
-        return gl.minimum(pid_n * WARPS + rb % WARPS, I_RB - 1) + (rb // WARPS) * I_RB
-    return gl.minimum(pid_n * NB + rb, N_RB - 1)
-
-
-@gluon.jit
-def _load_chunk(cn, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up,
+def _load_chunk(cn, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
                 NB: gl.constexpr, SWIGLU: gl.constexpr):
-    """TMA copies of chunk ``cn`` (nothing at or past kc_end) into ring slot ``cn % STAGES`` on its
-    mbarrier: the activation tile and the program's NB weight row blocks (words of 16-row block b
-    at [b, 128 chunk]: one box from rb0, or for GEMM 1 NB / 2 gate blocks from rb0 and as many up
-    blocks from rb_up). Blocks past the program's rows (N or I not a multiple of the tile) are the
-    same expert's up rows (GEMM 1's gate box), the next expert's rows, or zeros past the tensor:
-    they feed only accumulator rows whose columns are never stored."""
+    """TMA copies of the program's chunk ``cn`` (K chunk kc0 + cn; nothing at or past n_c) into
+    ring slot ``cn % STAGES`` on its mbarrier: the activation tile and the program's NB weight row
+    blocks, words and scale pairs (16-row block b's at [b, chunk]: one box from rb0, or for GEMM 1
+    NB / 2 gate blocks from rb0 and as many up blocks from rb_up). Blocks past the program's rows
+    (N or I not a multiple of the tile) are the same expert's up rows (GEMM 1's gate box), the next
+    expert's rows, or zeros past the tensor: they feed only accumulator rows whose columns are
+    never stored."""
     slot = cn % x_smem.shape[0]
-    pred = cn < kc_end
+    pred = cn < n_c
+    kc = kc0 + cn
+    S: gl.constexpr = s_desc.block_type.shape[1]
     W_COPIES: gl.constexpr = 2 if SWIGLU > 0 else 1
-    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes + W_COPIES * w_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [row_start, cn * 64], ready.index(slot), x_smem.index(slot), pred=pred)
+    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes
+                    + W_COPIES * (w_desc.block_type.nbytes + s_desc.block_type.nbytes), pred=pred)
+    tma.async_copy_global_to_shared(x_desc, [row_start, kc * 64], ready.index(slot), x_smem.index(slot), pred=pred)
     if SWIGLU > 0:
-        tma.async_copy_global_to_shared(w_desc, [rb0, cn * 128], ready.index(slot),
+        tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot),
                                         w_smem.index(slot).slice(0, NB // 2), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [rb_up, cn * 128], ready.index(slot),
+        tma.async_copy_global_to_shared(w_desc, [rb_up, kc * 128], ready.index(slot),
                                         w_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
+        tma.async_copy_global_to_shared(s_desc, [rb0, kc * S], ready.index(slot),
+                                        s_smem.index(slot).slice(0, NB // 2), pred=pred)
+        tma.async_copy_global_to_shared(s_desc, [rb_up, kc * S], ready.index(slot),
+                                        s_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
     else:
-        tma.async_copy_global_to_shared(w_desc, [rb0, cn * 128], ready.index(slot), w_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot), w_smem.index(slot), pred=pred)
+        tma.async_copy_global_to_shared(s_desc, [rb0, kc * S], ready.index(slot), s_smem.index(slot), pred=pred)
 
 
 @gluon.jit
-def _k_step(c, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up,
-            S_STEP: gl.constexpr, STAGES: gl.constexpr, NB: gl.constexpr, SWIGLU: gl.constexpr,
-            DECODE: gl.constexpr, SCALE: gl.constexpr, a_layout: gl.constexpr, w_layout: gl.constexpr):
-    """One 64-K chunk c: refill the buffers chunk c-2 used (every warpgroup is past chunk c-1's
-    wait, so c-2's wgmma is done and its weight words are read everywhere) with chunk
-    c + STAGES - 2, decode c's weights into the A operand and issue its wgmma, keeping one in
-    flight."""
+def load_scales(s_slot, MXFP4: gl.constexpr, s_layout: gl.constexpr, WARPS: gl.constexpr):
+    """One chunk's scale pairs [NB, S] from shared memory as the decode wants them, [NB, 1, 32] in
+    ``s_layout`` (the pair of lane l, on WARPS warps): NVFP4 has one pair per 16 K (S = 32, lane l
+    takes pair l), MXFP4 one per 32 K (S = 16, lane l takes pair l // 2)."""
+    NB: gl.constexpr = s_slot.shape[0]
+    if MXFP4:
+        s16_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
+                                                    warps_per_cta=[WARPS, 1], order=[1, 0])
+        s16 = s_slot.load(s16_layout)
+        s = gl.convert_layout(gl.reshape(gl.join(s16, s16), [NB, 1, 32]), s_layout)
+    else:
+        s = s_slot.reshape([NB, 1, 32]).load(s_layout)
+    return s
+
+
+@gluon.jit
+def _k_step(c, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
+            STAGES: gl.constexpr, WARPS: gl.constexpr, NB: gl.constexpr, SWIGLU: gl.constexpr,
+            MXFP4: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, a_layout: gl.constexpr,
+            w_layout: gl.constexpr):
+    """The program's chunk c (K chunk kc0 + c): refill the buffers chunk c-2 used (every warpgroup
+    is past chunk c-1's wait, so c-2's wgmma is done and its weight words and scales are read
+    everywhere) with chunk c + STAGES - 2, decode c's weights into the A operand and issue its
+    wgmma, keeping one in flight."""
     gl.thread_barrier()
-    _load_chunk(c + STAGES - 2, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up, NB, SWIGLU)
-    mbarrier.wait(ready.index(c % STAGES), (c // STAGES) & 1)
-    w = w_smem.index(c % STAGES).reshape([NB, 1, 32, 4]).load(w_layout)
+    _load_chunk(c + STAGES - 2, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
+                rb_up, NB, SWIGLU)
+    slot = c % STAGES
+    mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+    w = w_smem.index(slot).reshape([NB, 1, 32, 4]).load(w_layout)
+    s = load_scales(s_smem.index(slot), MXFP4, gl.SliceLayout(3, w_layout), WARPS)
     wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
     wd = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [wd], dtype=gl.bfloat16, is_pure=False, pack=2)
-    acc = warpgroup_mma(wd, x_smem.index(c % STAGES).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(wd, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=[acc])
-    s_next2 = gl.load(s_ptrs + gl.minimum(c + 2, KC - 1) * S_STEP)
-    return acc, s_next, s_next2
+    return acc
 
 
 @gluon.jit
-def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N,
-               K, e, pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be,
+def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N,
+               K, e, pid_n, row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be,
                WARPS: gl.constexpr, REPEATS: gl.constexpr, STAGES: gl.constexpr, MXFP4: gl.constexpr,
                WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
                LIMIT: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr, OUT_MMA_ORDER: gl.constexpr,
                FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
     """One program's tile of ``fp4_gemm_wgmma_kernel``: BLOCK_M activation rows from ``row_start``
-    (valid below ``row_end``) x the weight rows of N tile ``pid_n`` of expert ``e``, K chunks below
-    ``kc_end``; mainloop and epilogue (module docstring)."""
+    (valid below ``row_end``) x the weight rows of N tile ``pid_n`` of expert ``e``, the ``n_c`` K
+    chunks from ``kc0``; mainloop and epilogue (module docstring)."""
     NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
                                               warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
-    s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
-    KC = K // 64
     NRB = (N + 15) // 16
     BLOCK_N: gl.constexpr = 16 * NB
 
-    # the program's first weight row block (GEMM 1: first gate block, and its first up block) and
-    # the scales at chunk 0 (each step adds a scalar)
+    # the program's first weight row block (GEMM 1: first gate block, and its first up block)
     rb_e = e * NRB
     if SWIGLU > 0:
         rb0 = rb_e + pid_n * WARPS
@@ -156,44 +170,32 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, sc_ptr, wg_ptr, bias_ptr, 
     else:
         rb0 = rb_e + pid_n * NB
         rb_up = rb0
-    s_rb = rb_e + _row_block(pid_n, gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, s_layout))),
-                             NRB, NRB // 2, WARPS, NB, SWIGLU)
-    s_lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, s_layout)))
-    if MXFP4:  # one pair per 32 K: [.., K/64, 8, 2]
-        S_STEP: gl.constexpr = 16
-        s_in = (s_lane // 4) * 2 + (s_lane % 4) // 2
-    else:  # one pair per 16 K: [.., K/64, 32]
-        S_STEP: gl.constexpr = 32
-        s_in = s_lane
-    s_ptrs = sc_ptr + gl.expand_dims(gl.expand_dims(s_rb.to(gl.int64) * KC * S_STEP, 1), 2) \
-        + gl.expand_dims(gl.expand_dims(s_in, 0), 1)
 
-    # the ring: activation tiles (the 128-byte swizzle wgmma reads) and the program's weight words
-    # ([NB, 128] int32 per chunk, each thread then reads its own 16 bytes), both by TMA on one
-    # mbarrier per stage; scales are small and come through registers, two chunks ahead
+    # the ring: activation tiles (the 128-byte swizzle wgmma reads), the program's weight words
+    # ([NB, 128] int32 per chunk, each thread then reads its own 16 bytes) and their scale pairs, all
+    # by TMA on one mbarrier per stage (the scales once came through registers two chunks ahead: at
+    # small M a chunk is short and their load latency was exposed)
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, NB, s_desc.block_type.shape[1]], s_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
     fence_async_shared()
     gl.thread_barrier()
     for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
-        _load_chunk(i, kc_end, x_desc, w_desc, x_smem, w_smem, ready, row_start, rb0, rb_up, NB, SWIGLU)
+        _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
+                    SWIGLU)
 
-    s = gl.load(s_ptrs)
-    s_next = gl.load(s_ptrs + gl.minimum(1, KC - 1) * S_STEP)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    for j in range(0, kc_end // 2):
-        acc, s, s_next = _k_step(2 * j, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem, ready,
-                                 row_start, rb0, rb_up, S_STEP, STAGES, NB, SWIGLU, DECODE, SCALE, a_layout, w_layout)
-        acc, s, s_next = _k_step(2 * j + 1, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem,
-                                 ready, row_start, rb0, rb_up, S_STEP, STAGES, NB, SWIGLU, DECODE, SCALE, a_layout,
-                                 w_layout)
-    if kc_end % 2 == 1:
-        acc, s, s_next = _k_step(kc_end - 1, kc_end, KC, acc, s, s_next, s_ptrs, x_desc, w_desc, x_smem, w_smem,
-                                 ready, row_start, rb0, rb_up, S_STEP, STAGES, NB, SWIGLU, DECODE, SCALE, a_layout,
-                                 w_layout)
+    for j in range(0, n_c // 2):
+        acc = _k_step(2 * j, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
+                      rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
+        acc = _k_step(2 * j + 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start,
+                      rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
+    if n_c % 2 == 1:
+        acc = _k_step(n_c - 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
+                      rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
     acc = warpgroup_mma_wait(0, deps=[acc])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -253,8 +255,8 @@ def program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, n_tiles_n, KC
 @gluon.jit
 def fp4_gemm_wgmma_kernel(
     w_desc,  # TMA descriptor of the int32 weight words as [E * N/16, K/64 * 128] (mma_layout's [.., K/64, 32, 4]),
-    #          block [16 REPEATS WARPS / 16, 128] (GEMM 1: half that, gate and up blocks copied apart); E = 1 unless GROUPED
-    sc_ptr,  # int16 scale pairs [E * N/16, K/64, 32] (NVFP4) or [E * N/16, K/64, 8, 2] (MXFP4)
+    #          block [REPEATS WARPS, 128] (GEMM 1: half that, gate and up blocks copied apart); E = 1 unless GROUPED
+    s_desc,  # TMA descriptor of the int16 scale pairs as [E * N/16, K/64 * S] (S = 32 NVFP4, 16 MXFP4), rows as w_desc
     x_desc,  # TMA descriptor of the bf16 activations in MMA K order [rows, K], block [BLOCK_M, 64] (``mma_order_rows``)
     x_tail_desc,  # TAIL_M > 0: the same activations, block [TAIL_M, 64]; else unused (pass x_desc)
     wg_ptr,  # plain: [1] fp32 global (WG_MODE 1); GROUPED: [E] (1) or [E, N] (2, stride_ge); else unused
@@ -265,6 +267,8 @@ def fp4_gemm_wgmma_kernel(
     row_w_ptr,  # HAS_RW: [R] fp32 routing weight of each sorted row (mode 1 of ``kernels.moe._moe_epilogue``)
     M, N, K,  # M: rows (plain) or sorted rows R (GROUPED); N weight rows (per expert); K stored (64s)
     stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
+    k_per_split,  # plain: K chunks per program along grid axis 1 (split-K: program s sums chunks from s k_per_split
+    #               and writes its fp32 partial at out_ptr + s M stride_om, for ``splitk_reduce_kernel``)
     BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64, 128 or 256 (REPEATS = 1)
     WARPS: gl.constexpr,  # 4 (one warpgroup) or 8 (two)
     REPEATS: gl.constexpr,  # 16-row weight blocks per warp: 2 (32 WARPS weight rows; GEMM 1 needs it) or 1
@@ -289,23 +293,30 @@ def fp4_gemm_wgmma_kernel(
         n_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     e, pid_n, row_start, row_end, kc_end = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, n_tiles_n,
                                                         KC, n_tiles_m, BLOCK_M, GROUPED, GROUP_M)
+    kc0 = 0
+    if not GROUPED:  # split-K (one split: k_per_split = KC)
+        pid_k = gl.program_id(1)
+        kc0 = pid_k * k_per_split
+        kc_end = gl.minimum(kc0 + k_per_split, KC)
+        out_ptr += pid_k.to(gl.int64) * M * stride_om
+    n_c = kc_end - kc0
 
     # the tile: TAIL_M-row wgmmas for an expert's short last tile (or an unused one), else BLOCK_M-row
     # ones; the two variants' shared buffers live in exclusive branches and share the same bytes
     if TAIL_M > 0:
         if row_end - row_start <= TAIL_M:
-            _gemm_tile(x_tail_desc, TAIL_M, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
-                       pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
+            _gemm_tile(x_tail_desc, TAIL_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+                       pid_n, row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
                        MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
                        SCALE)
         else:
-            _gemm_tile(x_desc, BLOCK_M, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
-                       pid_n, row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
+            _gemm_tile(x_desc, BLOCK_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+                       pid_n, row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
                        MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
                        SCALE)
     else:
-        _gemm_tile(x_desc, BLOCK_M, w_desc, sc_ptr, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e, pid_n,
-                   row_start, row_end, kc_end, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES, MXFP4,
+        _gemm_tile(x_desc, BLOCK_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e, pid_n,
+                   row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES, MXFP4,
                    WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE, SCALE)
 
 

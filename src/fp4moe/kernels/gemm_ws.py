@@ -40,7 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .gemm_wgmma import program_tile
+from .gemm_wgmma import load_scales, program_tile
 from .linear_mma import decode_a_operand
 from .moe import _moe_epilogue
 
@@ -82,17 +82,11 @@ def _ws_decoder(w_smem, s_smem, a_smem, ready, a_ready, a_empty, kc_end, MXFP4: 
     w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
                                               warps_per_cta=[DW, 1, 1, 1], order=[3, 2, 1, 0])
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
-    s16_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
-                                                warps_per_cta=[DW, 1], order=[1, 0])
     for c in range(kc_end):
         slot = c % STAGES
         mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
         w = w_smem.index(slot).reshape([NB, 1, 32, 4]).load(w_layout)
-        if MXFP4:  # one pair per 32 K, [NB, 16]: lane l takes pair l // 2
-            s16 = s_smem.index(slot).load(s16_layout)
-            s = gl.convert_layout(gl.reshape(gl.join(s16, s16), [NB, 1, 32]), s_layout)
-        else:  # one pair per 16 K, [NB, 32]: lane l takes pair l
-            s = s_smem.index(slot).reshape([NB, 1, 32]).load(s_layout)
+        s = load_scales(s_smem.index(slot), MXFP4, s_layout, DW)
         wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
         a_slot = c % A_STAGES
         mbarrier.wait(a_empty.index(a_slot), ((c // A_STAGES) & 1) ^ 1)

@@ -450,6 +450,8 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32."""
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if config.split_k > 1:
+        raise ValueError(f"config: the grouped GEMMs do not split K over programs, got {config}")
     if config.kw > 1:
         raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")
     if p.global_scale is not None:
@@ -483,7 +485,10 @@ class WgmmaConfig:
     accumulator holds repeats * block_m / 2 fp32 registers per thread, at most 128), ``stages``
     activation ring depth, ``group_m`` activation tiles per raster group (plain linear only),
     ``tail_m`` (MoE only; 0 = off) the height at which a tile of at most that many rows, an
-    expert's short last tile, runs with narrower wgmmas; ``ws`` the warp-specialized kernel
+    expert's short last tile, runs with narrower wgmmas; ``split_k`` (plain linear, not ``ws``)
+    programs sharing one output tile along K, whose fp32 partials ``splitk_reduce_kernel`` adds in
+    a fixed order (small M: more programs and more weight bytes in flight than the output tiles
+    give); ``ws`` the warp-specialized kernel
     (``kernels.gemm_ws``: a decode warpgroup writes the bf16 weight tile to shared memory for the
     ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus ``WS_A_STAGES`` decoded tiles)."""
 
@@ -493,11 +498,17 @@ class WgmmaConfig:
     warps: int = 4
     repeats: int = 2
     tail_m: int = 0
+    split_k: int = 1
     ws: bool = False
 
     def __post_init__(self) -> None:
-        if self.block_m not in (64, 128, 256):
-            raise ValueError(f"WgmmaConfig.block_m: expected 64, 128 or 256, got {self.block_m}")
+        if self.block_m not in (16, 32, 64, 128, 256):
+            raise ValueError(f"WgmmaConfig.block_m: expected 16, 32, 64, 128 or 256, got {self.block_m}")
+        if not 1 <= self.split_k <= 64:
+            raise ValueError(f"WgmmaConfig.split_k: expected 1..64, got {self.split_k}")
+        if self.split_k > 1 and (self.tail_m or self.ws):
+            raise ValueError(f"WgmmaConfig.split_k: the plain linear of the register-A kernel splits K, not the MoE "
+                             f"tails (tail_m) or the warp-specialized kernel (ws), got {self}")
         if not 3 <= self.stages <= 8:
             raise ValueError(f"WgmmaConfig.stages: expected 3..8, got {self.stages}")
         if self.warps not in (4, 8):
@@ -527,16 +538,24 @@ class WgmmaConfig:
 
     def __str__(self) -> str:
         tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "") \
-            + ("_ws" if self.ws else "")
+            + (f"_split{self.split_k}" if self.split_k > 1 else "") + ("_ws" if self.ws else "")
         return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
 
 
-#: the smallest batch the plain linear runs on the wgmma kernel (SM90); below it the Triton kernel.
-#: H200 (scripts in notes/linear-perf.md, session 4): at M = 96 the wgmma kernel with 64-row tiles
-#: takes 66.6 / 102.6 / 39.9 / 16.9 us on the four GLM-5 shapes against the Triton kernel's 99.4 /
-#: 106.0 / 38.4 / 19.5; at M = 64 it loses on three of them (one program per 128 weight rows, no
-#: split-K: too few programs for 132 SMs on the narrower weights)
-WGMMA_MIN_M = 96
+#: the smallest batch the plain linear runs on the wgmma kernel (SM90); at MAX_M and below the
+#: mma.sync decode kernel. H200 (session 8, ``scripts/sweep_small_m.py``,
+#: benchmarks/raw/sweep-small-m-h200.json): with split-K and the scales by TMA the wgmma kernel takes
+#: 24.3 / 24.5 / 13.6 / 11.1 us at M = 32 on the four GLM-5 shapes against the Triton kernel's 54.1 /
+#: 56.2 / 25.1 / 12.4 (M = 64: 28.9 / 29.7 / 15.7 / 12.8 against 60.0 / 62.5 / 28.4 / 14.4). At
+#: M = 16 it ties the decode kernel at best (22.5 against 23.1 us on 6144x12288, 22.1 against 17.9 on
+#: 12288x6144).
+WGMMA_MIN_M = MAX_M + 1
+
+#: up to this many rows the plain linear's wgmma tile is split along K (``choose_wgmma_config``)
+WGMMA_SPLIT_MAX_M = 64
+#: programs per SM the K split aims for at most, and the fewest 64-K chunks a split keeps
+WGMMA_SPLIT_PROGRAMS_PER_SM = 3
+WGMMA_SPLIT_MIN_CHUNKS = 8
 
 
 #: relative time of one program by activation tile height (two warpgroups of one repeat, H200,
@@ -552,7 +571,21 @@ def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaCon
     (``_WGMMA_TILE_COST``; taller tiles decode each weight once for more rows). On the H200 this
     picks the fastest of the measured heights, or one within 1%, at all 48 (shape, M) points of the
     GLM-5 sweep, M = 96..16384 (``benchmarks/raw/sweep-wgmma-tiles*-h200.json``); against the earlier single warpgroup of two
-    repeats and 128-row tiles it is 9-15% faster at M = 4096 (12288x6144: 1,054 -> 964 us)."""
+    repeats and 128-row tiles it is 9-15% faster at M = 4096 (12288x6144: 1,054 -> 964 us).
+
+    Small batches (M <= WGMMA_SPLIT_MAX_M) are bound by the weight stream, which one tile row of
+    programs cannot keep busy: one warpgroup of two repeats (128 weight rows) over a 32- or 64-row
+    tile, K split over the most programs up to WGMMA_SPLIT_PROGRAMS_PER_SM per SM, each keeping at
+    least WGMMA_SPLIT_MIN_CHUNKS chunks (H200: within 5% of the best configuration swept at all 8
+    GLM-5 points M = 32, 64 of ``sweep_small_m.py``; the farthest, 6144x2048 at M = 64: 12.8
+    against 12.3 us)."""
+    if M <= WGMMA_SPLIT_MAX_M:
+        block_m = 32 if M <= 32 else 64
+        programs = -(-M // block_m) * -(-N // 128)
+        chunks = -(-K // KCHUNK)
+        split = max([s for s in (1, 2, 3, 4, 6, 8) if programs * s <= WGMMA_SPLIT_PROGRAMS_PER_SM * sm_count
+                     and chunks // s >= WGMMA_SPLIT_MIN_CHUNKS] or [1])
+        return WgmmaConfig(block_m=block_m, stages=4, warps=4, repeats=2, split_k=split)
     tiles_n = -(-N // 128)
 
     def cost(bm: int) -> tuple[int, int]:
@@ -713,56 +746,69 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
     if config.ws:
         if gemm != "linear":
             raise ValueError(f"config: the warp-specialized kernel runs the plain linear only, got gemm={gemm!r}")
-        s_type = f"tensordesc<i16[{w_rows}, {16 if consts['MXFP4'] else 32}],{_s_smem_layout()!r}>"
+        s_type = f"tensordesc<i16[{w_rows}, {_scale_pairs_per_chunk(fmt)}],{_s_smem_layout()!r}>"
         signature = {"w_desc": w_type, "s_desc": s_type, "x_desc": _x_desc_type(config.block_m),
                      **_epilogue_signature("*bf16")}
         return CompileRequest(kernel="fp4moe.kernels.gemm_ws:fp4_gemm_ws_kernel", signature=signature,
                               constexprs=dict(common, A_STAGES=WS_A_STAGES, DECODE_REGS=WS_DECODE_REGS), cc=cc,
                               num_warps=config.warps, divisible_by_16=("out_ptr", "N", "K", "stride_om"),
                               maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS))
-    signature = {"w_desc": w_type, "sc_ptr": "*i16", "x_desc": _x_desc_type(config.block_m),
+    if config.split_k > 1:
+        if gemm != "linear":
+            raise ValueError(f"config: split_k is for the plain linear, got gemm={gemm!r}")
+        common["HAS_BIAS"] = False  # the reduction adds it
+    s_type = f"tensordesc<i16[{w_rows}, {_scale_pairs_per_chunk(fmt)}],{_s_smem_layout()!r}>"
+    signature = {"w_desc": w_type, "s_desc": s_type, "x_desc": _x_desc_type(config.block_m),
                  "x_tail_desc": _x_desc_type(config.tail_m or config.block_m),
-                 **_epilogue_signature("*fp32" if gemm == "gemm2" else "*bf16")}
+                 **_epilogue_signature("*fp32" if gemm == "gemm2" or config.split_k > 1 else "*bf16"),
+                 "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       OUT_MMA_ORDER=gemm == "gemm1", TAIL_M=config.tail_m)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
-                          divisible_by_16=("sc_ptr", "out_ptr", "N", "K", "stride_om"))
+                          divisible_by_16=("out_ptr", "N", "K", "stride_om"))
 
 
 def ws_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, int, int]]:
     """(name, bytes each, count) of the warp-specialized kernel's explicit shared buffers: the TMA
     ring (activation tile, weight words, scale pairs), the decoded A tiles and the mbarriers
     (``gl.warp_specialize`` adds a little of its own)."""
-    from ..formats import get_format
-
     nb = config.block_n // ROWS
-    per_chunk = 16 if get_format(fmt) is not NVFP4 else 32
     return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
             ("weight words (TMA)", nb * 32 * 4 * 4, config.stages),
-            ("scale pairs (TMA)", nb * per_chunk * 2, config.stages),
+            ("scale pairs (TMA)", nb * _scale_pairs_per_chunk(fmt) * 2, config.stages),
             ("decoded weight tile (bf16)", config.block_n * KCHUNK * 2, WS_A_STAGES),
             ("mbarrier", 8, config.stages + 2 * WS_A_STAGES)]
 
 
-def wgmma_smem_terms(config: WgmmaConfig) -> list[tuple[str, int, int]]:
-    """(name, bytes each, count) of the wgmma kernel's shared memory: the activation ring and the
-    weight-word ring (both TMA tiles) and one mbarrier per stage. The
-    epilogue works from registers; a ``tail_m`` variant's buffers reuse the same bytes. Checked
-    against compiled kernels in the tests."""
+def _scale_pairs_per_chunk(fmt: FP4Format | str) -> int:
+    """int16 scale pairs per 16-row block and 64-K chunk in ``pack_mma``'s layout."""
+    from ..formats import get_format
+
+    return 16 if get_format(fmt) is not NVFP4 else 32
+
+
+def wgmma_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, int, int]]:
+    """(name, bytes each, count) of the wgmma kernel's shared memory: the activation, weight-word
+    and scale-pair rings (all TMA tiles) and one mbarrier per stage. The epilogue works from
+    registers; a ``tail_m`` variant's buffers reuse the same bytes. Checked against compiled kernels
+    in the tests."""
     nb = config.repeats * config.warps  # 16-row weight blocks per program
     return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
             ("weight words (TMA)", nb * 32 * 4 * 4, config.stages),
+            ("scale pairs (TMA)", nb * _scale_pairs_per_chunk(fmt) * 2, config.stages),
             ("mbarrier", 8, config.stages)]
 
 
 def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
                         config: WgmmaConfig = WgmmaConfig()) -> torch.Tensor:
     """``out[M, N] = x2[M, K] @ W^T (+ bias)`` on SM90 (wgmma; compiled CUDA only): two launches,
-    the pass into MMA K order (``mma_order_rows``) and the GEMM."""
+    the pass into MMA K order (``mma_order_rows``) and the GEMM, and with ``config.split_k`` a third,
+    the reduction of the fp32 partials (bias and cast there)."""
     import triton
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
+    from ..kernels.linear import splitk_reduce_kernel
 
     if config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
@@ -774,12 +820,16 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
     w_desc = _w_desc(p, _w_box_rows(config, False))
-    rest = (p.global_scale if p.global_scale is not None else unused, bias if bias is not None else unused, out,
-            unused, unused, unused, unused, unused, M, N, k_stored, out.stride(0), 0, 0, tiles_m)
+    split, per_split = wgmma_split(config, p.words.shape[1])
+    target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
+    fused_bias = bias if split == 1 else None
+    rest = (p.global_scale if p.global_scale is not None else unused,
+            fused_bias if fused_bias is not None else unused, target,
+            unused, unused, unused, unused, unused, M, N, k_stored, target.stride(-2), 0, 0, tiles_m)
     consts = dict(BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
-                  HAS_BIAS=bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False, GROUP_M=config.group_m,
-                  WARPS=config.warps, **_decode_consts(p.fmt))
-    grid = (tiles_m * triton.cdiv(N, config.block_n),)
+                  HAS_BIAS=fused_bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False,
+                  GROUP_M=config.group_m, WARPS=config.warps, **_decode_consts(p.fmt))
+    grid = (tiles_m * triton.cdiv(N, config.block_n), split)
     if config.ws:
         from ..kernels.gemm_ws import fp4_gemm_ws_kernel
 
@@ -787,10 +837,22 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
                                  DECODE_REGS=WS_DECODE_REGS, num_warps=config.warps,
                                  maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS), **consts)
         return out
-    fp4_gemm_wgmma_kernel[grid](w_desc, p.scales.view(torch.int16), x_desc, x_desc, *rest, SWIGLU=0, ALPHA=0.0,
-                                LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
+    fp4_gemm_wgmma_kernel[grid](w_desc, _s_desc(p, _w_box_rows(config, False)), x_desc, x_desc, *rest, per_split,
+                                SWIGLU=0,
+                                ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
                                 num_warps=config.warps, **consts)
+    if split > 1:
+        splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
+            target, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=1024,
+            HAS_BIAS=bias is not None, num_warps=4)
     return out
+
+
+def wgmma_split(config: WgmmaConfig, chunks: int) -> tuple[int, int]:
+    """(splits, 64-K chunks per split) of ``config.split_k`` on a weight of ``chunks`` 64-K chunks:
+    the chunks evenly over at most split_k programs, none of them empty."""
+    per_split = -(-chunks // min(config.split_k, max(chunks, 1)))
+    return -(-chunks // per_split), per_split
 
 
 def ws_maxnreg(warps: int) -> int:
@@ -824,6 +886,8 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
 
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if config.split_k > 1:
+        raise ValueError(f"config: the grouped GEMMs do not split K over programs, got {config}")
     if swiglu and config.repeats != 2:
         raise ValueError(f"config: GEMM 1 with the fused activation needs repeats=2 (a thread holds a gate row "
                          f"and its up row), got {config}")
@@ -854,13 +918,15 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
     wg, wg_mode = globals_
     unused = plan.sorted_pair
     fp4_gemm_wgmma_kernel[(plan.max_tiles * triton.cdiv(n_out, config.block_n // 2 if swiglu else config.block_n),)](
-        _w_desc(p, _w_box_rows(config, bool(swiglu))), p.scales.view(torch.int16), _x_desc(xm, config.block_m),
+        _w_desc(p, _w_box_rows(config, bool(swiglu))), _s_desc(p, _w_box_rows(config, bool(swiglu))),
+        _x_desc(xm, config.block_m),
         _x_desc(xm, config.tail_m or config.block_m), wg if wg is not None else unused,
         bias if bias is not None else unused, out, plan.tile_expert, plan.tile_start, plan.tile_end,
         plan.sorted_pair if scatter else unused, row_weight if row_weight is not None else unused,
         R, n_per_expert, k_stored, out.stride(0),
         wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0, plan.max_tiles,
-        BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None, SWIGLU=swiglu,
+        k_stored // KCHUNK, BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=wg_mode, HAS_BIAS=bias is not None,
+        SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
         OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, TAIL_M=config.tail_m,
         num_warps=config.warps, **_decode_consts(p.fmt))

@@ -306,20 +306,41 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
 def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: str, arch, rows_per_expert: float,
                          interleaved: bool):
     """The configuration of the kernels on weights in MMA operand order (``ops.mma_layout``), or None
-    for ``moe_gemm_kernel``. W4A16 with bf16 activations on compiled CUDA: decode-sized layers (<=
-    MAX_M rows per expert) on the mma.sync kernel (every catalogued GPU, SM80 on, has it): an
-    ``MMAConfig``; larger ones on SM90 on the wgmma kernel with the activation fused into GEMM 1
-    (gate rows then up rows; I a multiple of 16): a ``WgmmaConfig``."""
-    from .mma_layout import MAX_M, ROWS, fuses_activation
-
-    if not (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None
-            and w13.shape[1] % ROWS == 0 and w2.shape[1] % ROWS == 0):
+    for ``moe_gemm_kernel``: W4A16 with bf16 activations on compiled CUDA, the kernel from
+    ``packed_moe_kernel`` (an ``MMAConfig`` for the mma.sync kernel, a ``WgmmaConfig`` for the
+    wgmma kernel with the activation fused into GEMM 1)."""
+    if not (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None):
         return None
-    if rows_per_expert <= MAX_M:
+    kernel = packed_moe_kernel(arch, rows_per_expert, w13.shape[1], w2.shape[1], interleaved)
+    if kernel == "mma":
         return mma_moe_config(rows_per_expert)
-    if arch.bf16_mma == "wgmma" and not interleaved and fuses_activation(w13.shape[1]):
+    if kernel == "wgmma":
         return wgmma_moe_config(rows_per_expert)
     return None
+
+
+#: on SM90, experts averaging more rows than this run on the wgmma kernel (16- and 32-row tiles
+#: with the activations by TMA) rather than the mma.sync decode kernel. H200, GLM-5 experts
+#: (``scripts/sweep_small_m.py``, benchmarks/raw/sweep-small-m-h200.json): at 16 rows per expert
+#: (512 tokens) 2,018 us with 32-row wgmma tiles against 2,528 on the decode kernel; at 8 rows
+#: 1,852 against 1,861; at 4 rows the decode kernel wins (1,517 against 1,754)
+WGMMA_MOE_MIN_ROWS = 8
+
+
+def packed_moe_kernel(arch, rows_per_expert: float, n13: int, n2: int, interleaved: bool) -> str | None:
+    """Which kernel on weights in MMA operand order runs a bf16 W4A16 layer (w13 [E, n13, H],
+    w2 [E, n2, I]): "mma" (grouped mma.sync, every architecture from SM80) up to MAX_M rows per
+    expert, or up to WGMMA_MOE_MIN_ROWS where the wgmma kernel can take over; "wgmma" (SM90, w13
+    gate-then-up with I a multiple of 16) above; None for the Triton kernels (weight rows not whole
+    16-row blocks, or larger layers elsewhere)."""
+    from .mma_layout import MAX_M, ROWS, fuses_activation
+
+    if n13 % ROWS or n2 % ROWS:
+        return None
+    wgmma = arch.bf16_mma == "wgmma" and not interleaved and fuses_activation(n13)
+    if rows_per_expert <= (WGMMA_MOE_MIN_ROWS if wgmma else MAX_M):
+        return "mma"
+    return "wgmma" if wgmma else None
 
 
 def mma_packed_experts(w: FP4Tensor):
@@ -348,16 +369,18 @@ def mma_moe_config(rows_per_expert: float):
 
 
 def wgmma_moe_config(rows_per_expert: float):
-    """Prefill on SM90 (H200, GLM-5 experts, scripts/try_wgmma.py and scripts/sweep_moe_tails.py):
-    one warpgroup of two register repeats per program (two programs per SM; GEMM 2 on the linear's
-    two warpgroups of one repeat was 8% slower: 8,023 vs 7,438 us at 4096 tokens), 64-row tiles
-    while experts average <= 48 rows, else 128-row tiles whose short tails (<= 64 rows) run with
-    64-row wgmmas in GEMM 1 (``tail_m``: 7,469 -> 7,096 us at 4096 tokens, and 7,438 -> 7,118 as a
+    """Above ``WGMMA_MOE_MIN_ROWS`` rows per expert on SM90 (H200, GLM-5 experts,
+    scripts/try_wgmma.py, sweep_moe_tails.py, sweep_small_m.py): one warpgroup of two register
+    repeats per program (GEMM 2 on the linear's two warpgroups of one repeat was 8% slower: 8,023 vs
+    7,438 us at 4096 tokens), 32-row tiles while experts average <= 24 rows, 64-row tiles up to 48
+    rows, else 128-row tiles whose short tails (<= 64 rows) run with 64-row wgmmas in GEMM 1 (``tail_m``: 7,469 -> 7,096 us at 4096 tokens, and 7,438 -> 7,118 as a
     second launch in an earlier sweep; each single comparison is within the sweep's spread, whose
     identical configurations at 1024 tokens ranged 3,076-3,254 us, but both went the same way;
     GEMM 2's choice is ``wgmma_gemm2_config``)."""
     from .mma_layout import WgmmaConfig
 
+    if rows_per_expert <= 24:
+        return WgmmaConfig(block_m=32, stages=4, warps=4)
     if rows_per_expert <= 48:
         return WgmmaConfig(block_m=64, stages=4, warps=4)
     return WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)

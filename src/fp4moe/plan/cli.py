@@ -108,20 +108,16 @@ _GROUPED_KERNELS = ("fp4_moe_gemm", "fp4_moe_mma", "fp4_moe_wgmma")
 
 
 def _moe_kernel(model, problem, arch) -> str:
-    """The runtime's choice (``ops.moe.packed_layout_config``) for bf16 W4A16 experts whose weight
-    rows are whole 16-row blocks: up to 16 rows per expert the grouped mma.sync kernel (every
-    architecture from SM80); above, on SM90, the wgmma kernel when w13 is gate-then-up (gpt-oss
-    checkpoints interleave gate and up rows) and I is a multiple of 16; otherwise the Triton kernel."""
-    from ..ops.mma_layout import MAX_M, ROWS, fuses_activation
+    """The runtime's choice (``ops.moe.packed_moe_kernel``) for bf16 W4A16 experts: the grouped
+    mma.sync kernel at decode, the wgmma kernel above (SM90, gate-then-up w13: gpt-oss checkpoints
+    interleave gate and up rows), otherwise the Triton kernel."""
+    from ..ops.moe import packed_moe_kernel
 
     H, inter = problem.hidden_and_intermediate()
-    if problem.mode != "w4a16" or (2 * inter) % ROWS or H % ROWS:
+    kernel = packed_moe_kernel(arch, problem.pairs / problem.E, 2 * inter, H, model.routing.kind == "gpt_oss")
+    if problem.mode != "w4a16" or kernel is None:
         return "fp4_moe_gemm"
-    if problem.pairs / problem.E <= MAX_M:
-        return "fp4_moe_mma"
-    if arch.bf16_mma == "wgmma" and model.routing.kind != "gpt_oss" and fuses_activation(2 * inter):
-        return "fp4_moe_wgmma"
-    return "fp4_moe_gemm"
+    return f"fp4_moe_{kernel}"
 
 
 def short_mma(forms: str | None) -> str:

@@ -59,6 +59,8 @@ class CompiledKernel:
     compile_s: float | None = None  # seconds the compilation took (not counting a cache hit)
     # SASS writes to registers an in-flight register-A wgmma still reads (plan.sass); wgmma kernels only
     wgmma_hazards: tuple[str, ...] = ()
+    # wgmma kernels: spill stores and loads inside the main loop (plan.sass); None where SASS was not read
+    loop_spill_ops: int | None = None
 
 
 def mma_instructions(ptx: str) -> tuple[str, ...]:

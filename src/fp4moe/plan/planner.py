@@ -37,7 +37,9 @@ __all__ = ["HEURISTIC_TIE", "SPILL_LIMIT_BYTES", "PlanError", "PlanResult", "Ver
 
 #: Spilled bytes (stores + loads per thread, ``ptxas -v``) above which a configuration is rejected.
 #: Zero: a spill is local memory traffic inside the main loop of these kernels, every iteration,
-#: and there is always a smaller tile that keeps its registers.
+#: and there is always a smaller tile that keeps its registers. Where the SASS shows every spill
+#: outside the main loop (wgmma kernels, ``CompiledKernel.loop_spill_ops`` == 0: an epilogue's,
+#: once per tile) the configuration is kept and the spill reported.
 SPILL_LIMIT_BYTES = 0
 
 #: The heuristic's configuration wins when its modelled time is within this factor of the best.
@@ -185,7 +187,10 @@ def _verdict_line(v: Verdict) -> str:
     shared += f" (limit {v.smem_limit:,} B)"
     parts = [str(v.config), shared]
     if v.registers is not None:
-        parts.append(f"{v.registers} registers, {v.spills or 0} B spilled")
+        spilled = f"{v.spills or 0} B spilled"
+        if v.spills and v.compiled is not None and v.compiled.loop_spill_ops == 0:
+            spilled += " (outside the main loop)"
+        parts.append(f"{v.registers} registers, {spilled}")
     if v.mma:
         parts.append(", ".join(v.mma))
     parts.append(f"{v.time.us:.1f} us modelled, {100 * v.time.fraction:.0f}% of the roofline "
@@ -234,7 +239,7 @@ def _compiled_verdict(spec: KernelSpec, v: Verdict, problem: Any, arch: Arch, gp
         if result.shared is not None and result.shared > v.smem_limit:
             reasons.append(f"compiled kernel needs {result.shared:,} B of shared memory, limit {v.smem_limit:,} B "
                            f"({arch.name}); the model said {v.smem.total:,} B: {v.smem.describe()}")
-        if result.spill_bytes is not None and result.spill_bytes > SPILL_LIMIT_BYTES:
+        if result.spill_bytes is not None and result.spill_bytes > SPILL_LIMIT_BYTES and result.loop_spill_ops != 0:
             reasons.append(f"spills {result.spill_bytes:,} B to local memory ({result.registers} registers per "
                            f"thread; limit {SPILL_LIMIT_BYTES} B)")
         if result.wgmma_hazards:

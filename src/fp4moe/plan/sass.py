@@ -152,6 +152,17 @@ def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
     return _scan(sass)[0]
 
 
+def loop_local_memory_ops(sass: str) -> int:
+    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) between the first and the
+    last HGMMA: in a wgmma kernel's main loop, where they cost every iteration. Spills before or after
+    (a prologue's or an epilogue's) run once per tile."""
+    insns = _parse(sass)
+    hg = [i for i, (_, _, op, _) in enumerate(insns) if op.startswith("HGMMA")]
+    if not hg:
+        return 0
+    return sum(op.startswith(("STL", "LDL")) for _, _, op, _ in insns[hg[0]:hg[-1] + 1])
+
+
 def count_hgmma(sass: str) -> int:
     """HGMMA instructions in ``sass``: a hazard check that saw none checked nothing."""
     return _scan(sass)[1]

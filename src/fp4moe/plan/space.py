@@ -467,7 +467,7 @@ class _WgmmaSpec(_PackedSpec):
 
         self.check_config(config)  # type: ignore[attr-defined]
         return SmemBreakdown(tuple(SmemTerm(name, each, count, source="allocate_shared_memory")
-                                   for name, each, count in wgmma_smem_terms(config)))
+                                   for name, each, count in wgmma_smem_terms(config, problem.fmt)))
 
     def expected_mma(self, problem: Any, arch: Arch) -> MmaExpectation:
         return MmaExpectation("bf16 wgmma (A from registers)", (("wgmma.mma_async", ".bf16"),))
@@ -561,12 +561,18 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
 
     def candidates(self, problem: LinearProblem, arch: Arch) -> list:
         """64- and 128-row activation tiles with one or two warpgroups of two register repeats, and
-        64- to 256-row tiles with two warpgroups of one repeat; rings of 3 to 6 stages."""
-        from ..ops.mma_layout import WgmmaConfig
+        64- to 256-row tiles with two warpgroups of one repeat; rings of 3 to 6 stages. Small
+        batches (M <= ``WGMMA_SPLIT_MAX_M``): also 16- to 64-row tiles with K split 1 to 8 ways."""
+        from ..ops.mma_layout import WGMMA_SPLIT_MAX_M, WgmmaConfig
 
         self.check_problem(problem)
         self._check_arch(arch)
-        return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8) for s in (3, 4, 5, 6)] \
+        small = []
+        if problem.M <= WGMMA_SPLIT_MAX_M:
+            small = [WgmmaConfig(block_m=m, stages=s, warps=w, split_k=k) for m in (16, 32, 64) for w in (4, 8)
+                     for s in (4, 6) for k in (1, 2, 4, 8) if m < 2 * max(problem.M, 16)]
+        return small + [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8)
+                        for s in (3, 4, 5, 6)] \
             + [WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1) for m in (64, 128, 256) for s in (3, 4, 5, 6)]
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
@@ -585,9 +591,12 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
     def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
 
+        from ..ops.mma_layout import KCHUNK, wgmma_split
+
         M, N, K = problem.M, problem.N, problem.K
         bn, bm = config.block_n, config.block_m
         tiles_m, tiles_n = _cdiv(M, bm), _cdiv(N, bn)
+        split = wgmma_split(config, _cdiv(K, KCHUNK))[0]
         w_once = fp4_weight_bytes(N, K, problem.fmt)
         x_once, y_once = M * K * 2, M * N * 2
         # the pass into MMA K order reads x and writes its copy; the GEMM reads the copy
@@ -597,12 +606,17 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
         peak = gpu.bf16_dense_tflops
         smem = self.smem_model(config, problem, gpu.arch).total
         ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=smem)
-        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=tiles_m * tiles_n,
-                                       ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=SECOND_KERNEL_US)
+        notes = ["activations re-ordered into MMA K order by a separate pass"]
+        extra = SECOND_KERNEL_US
+        if split > 1:
+            extra += (2 * split * M * N * 4 + y_once) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            notes.append(f"split-K {split}: fp32 partials and a reduction kernel")
+        programs = tiles_m * tiles_n * split
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=extra)
         bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
-        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=tiles_m * tiles_n, waves=waves,
-                            ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak,
-                            notes=("activations re-ordered into MMA K order by a separate pass",))
+        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves,
+                            ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
 
 # ------------------------------------------------------------------------------------------
@@ -1040,10 +1054,11 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
     def _block_ms(self, problem: MoEGemmProblem) -> tuple[int, ...]:
         if problem.block_m is not None:
-            if problem.block_m not in (64, 128):
-                raise ValueError(f"{self.name}: block_m {problem.block_m} is pinned; the kernel takes 64 or 128")
+            if problem.block_m not in (16, 32, 64, 128):
+                raise ValueError(f"{self.name}: block_m {problem.block_m} is pinned; the kernel takes 16, 32, 64 "
+                                 "or 128")
             return (problem.block_m,)
-        return (64, 128)
+        return (32, 64, 128)
 
     def candidates(self, problem: MoEGemmProblem, arch: Arch) -> list:
         from ..ops.mma_layout import WgmmaConfig

@@ -89,7 +89,7 @@ def compile_request(req: dict):
 
 def _compile_one(req: dict) -> dict:
     from fp4moe.plan.crosscompile import mma_instructions
-    from fp4moe.plan.sass import wgmma_register_hazards
+    from fp4moe.plan.sass import loop_local_memory_ops, wgmma_register_hazards
 
     start = time.perf_counter()
     compiled = compile_request(req)
@@ -101,6 +101,7 @@ def _compile_one(req: dict) -> dict:
     hazards = [" ".join(h) for h in wgmma_register_hazards(sass)] if check_sass else []
     return {"cc": req["cc"], "ok": True, "error": None, "shared": compiled.metadata.shared, "registers": regs,
             "spill_bytes": spills, "mma": list(mma), "ptxas_log": log[-2000:], "wgmma_hazards": hazards[:20],
+            "loop_spill_ops": loop_local_memory_ops(sass) if check_sass else None,
             "smem_buffers": smem_buffers(compiled.asm.get("ttgir", "")),
             "compile_s": round(time.perf_counter() - start, 3)}
 
