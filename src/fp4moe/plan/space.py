@@ -562,15 +562,17 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
     def candidates(self, problem: LinearProblem, arch: Arch) -> list:
         """64- and 128-row activation tiles with one or two warpgroups of two register repeats, and
         64- to 256-row tiles with two warpgroups of one repeat; rings of 3 to 6 stages. Small
-        batches (M <= ``WGMMA_SPLIT_MAX_M``): also 16- to 64-row tiles with K split 1 to 8 ways."""
+        batches (M <= ``WGMMA_SPLIT_MAX_M``): also the one 16- to 64-row tile that holds every row (the
+        H200 sweep measured no gain from several shorter ones), K split 1 to 8 ways."""
         from ..ops.mma_layout import WGMMA_SPLIT_MAX_M, WgmmaConfig
 
         self.check_problem(problem)
         self._check_arch(arch)
         small = []
         if problem.M <= WGMMA_SPLIT_MAX_M:
-            small = [WgmmaConfig(block_m=m, stages=s, warps=w, split_k=k) for m in (16, 32, 64) for w in (4, 8)
-                     for s in (4, 6) for k in (1, 2, 4, 8) if m < 2 * max(problem.M, 16)]
+            m = min(64, max(16, 1 << (problem.M - 1).bit_length()))
+            small = [WgmmaConfig(block_m=m, stages=s, warps=w, split_k=k) for w in (4, 8) for s in (4, 6)
+                     for k in (1, 2, 3, 4, 6, 8)]
         return small + [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8)
                         for s in (3, 4, 5, 6)] \
             + [WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1) for m in (64, 128, 256) for s in (3, 4, 5, 6)]
