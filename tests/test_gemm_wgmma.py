@@ -26,7 +26,7 @@ def test_config_validation_and_choice():
     assert (wide.block_n, str(wide)) == (128, "wgmma_n128_m256_s4_g8_r1")
     assert WgmmaConfig().block_n == 128 and WgmmaConfig(warps=8).block_n == 256
     assert str(WgmmaConfig(tail_m=64)) == "wgmma_n128_m128_s4_g8_t64"
-    for bad in (32, 128):  # not a tile height, or not below block_m
+    for bad in (48, 128):  # not a tile height, or not below block_m
         with pytest.raises(ValueError, match="tail_m"):
             WgmmaConfig(tail_m=bad)
     wide = dict(stages=4, group_m=8, warps=8, repeats=1)
@@ -69,7 +69,7 @@ def test_moe_config_choice():
     assert isinstance(mma_moe_config(3.0), MMAConfig)
     assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
-    assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)
+    assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)
     sm80, sm90 = get_arch("sm80"), get_arch("sm90")
     assert packed_moe_kernel(sm90, WGMMA_MOE_MIN_ROWS, 4096, 6144, False) == "mma"
     assert packed_moe_kernel(sm90, 16.0, 4096, 6144, False) == "wgmma"

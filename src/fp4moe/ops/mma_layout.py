@@ -521,8 +521,8 @@ class WgmmaConfig:
             raise ValueError(f"WgmmaConfig: block_m {self.block_m} with repeats {self.repeats} needs "
                              f"{self.repeats * self.block_m // 2} accumulator registers per thread (at most 128); "
                              "use repeats=1 for 256-row tiles")
-        if self.tail_m not in (0, 64, 128) or (self.tail_m and self.tail_m >= self.block_m):
-            raise ValueError(f"WgmmaConfig.tail_m: expected 0, or 64 or 128 below block_m {self.block_m}, "
+        if self.tail_m not in (0, 32, 64, 128) or (self.tail_m and self.tail_m >= self.block_m):
+            raise ValueError(f"WgmmaConfig.tail_m: expected 0, or 32, 64 or 128 below block_m {self.block_m}, "
                              f"got {self.tail_m}")
         if self.ws and (self.warps, self.repeats, self.tail_m) != (8, 1, 0):
             raise ValueError(f"WgmmaConfig.ws: the warp-specialized kernel has 8 MMA warps of one repeat and no "
@@ -726,7 +726,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                           has_bias: bool = False, wg_mode: int | None = None):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the wgmma kernel as the
     launchers call it: ``gemm`` "linear" (plain), "gemm1" (MoE GEMM 1: gather pass, SwiGLU, h in
-    MMA order) or "gemm2" (MoE GEMM 2: routing weight, fp32 scatter); with ``config.ws`` the
+    MMA order) or "gemm2" (MoE GEMM 2: routing weight, scatter to bf16 pair rows); with ``config.ws`` the
     warp-specialized kernel (plain linear only), register cap included. ``wg_mode``: global scales
     (default: one per weight for an NVFP4 linear, per expert for NVFP4 MoE, none for MXFP4)."""
     from ..plan.crosscompile import CompileRequest
@@ -760,7 +760,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
     s_type = f"tensordesc<i16[{w_rows}, {_scale_pairs_per_chunk(fmt)}],{_s_smem_layout()!r}>"
     signature = {"w_desc": w_type, "s_desc": s_type, "x_desc": _x_desc_type(config.block_m),
                  "x_tail_desc": _x_desc_type(config.tail_m or config.block_m),
-                 **_epilogue_signature("*fp32" if gemm == "gemm2" or config.split_k > 1 else "*bf16"),
+                 **_epilogue_signature("*fp32" if config.split_k > 1 else "*bf16"),
                  "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       OUT_MMA_ORDER=gemm == "gemm1", TAIL_M=config.tail_m)

@@ -373,17 +373,19 @@ def wgmma_moe_config(rows_per_expert: float):
     scripts/try_wgmma.py, sweep_moe_tails.py, sweep_small_m.py): one warpgroup of two register
     repeats per program (GEMM 2 on the linear's two warpgroups of one repeat was 8% slower: 8,023 vs
     7,438 us at 4096 tokens), 32-row tiles while experts average <= 24 rows, 64-row tiles up to 48
-    rows, else 128-row tiles whose short tails (<= 64 rows) run with 64-row wgmmas in GEMM 1 (``tail_m``: 7,469 -> 7,096 us at 4096 tokens, and 7,438 -> 7,118 as a
-    second launch in an earlier sweep; each single comparison is within the sweep's spread, whose
-    identical configurations at 1024 tokens ranged 3,076-3,254 us, but both went the same way;
-    GEMM 2's choice is ``wgmma_gemm2_config``)."""
+    rows, else 128-row tiles whose short tails (<= 32 rows) run with 32-row wgmmas in both GEMMs
+    (``tail_m``, ``_GEMM2_TAILS``). Session 8 (``scripts/sweep_moe_prefill.py``): 4096 tokens
+    6,126 -> 5,572 us against session 7's 64-row tails in GEMM 1 only and fp32 pair rows (the grouped
+    GEMMs 5,122 -> 4,977 us of it, the combine 345 -> 106); 64-row tails in both 5,688; at 16384
+    tokens 20,106 -> 20,464 (+2%, within the sweep's spread). Session 5 (64-row tails in GEMM 1):
+    7,469 -> 7,096 us at 4096 tokens."""
     from .mma_layout import WgmmaConfig
 
     if rows_per_expert <= 24:
         return WgmmaConfig(block_m=32, stages=4, warps=4)
     if rows_per_expert <= 48:
         return WgmmaConfig(block_m=64, stages=4, warps=4)
-    return WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=64)
+    return WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)
 
 
 def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
@@ -435,12 +437,19 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     return launch_combine(y_pair, topk_ids, k, shared_out, out, E)
 
 
-#: GEMM 2 runs the short tails with narrower wgmmas too (``WgmmaConfig.tail_m``). Off: with both
-#: tile variants in one kernel GEMM 2 (255 registers with one) spills 8 bytes, which the planner
-#: refuses (GEMM 1, 233 registers, does not), and the H200 sweep was mixed: GLM-5 experts 7,096 ->
-#: 6,824 us at 4096 tokens, 22,171 -> 22,954 at 16384 (scripts/sweep_moe_tails.py; its spread on
-#: identical configurations was ~6%).
-_GEMM2_TAILS = False
+#: GEMM 2 runs the short tails with narrower wgmmas too (``WgmmaConfig.tail_m``). Off until
+#: session 8: with both tile variants GEMM 2 spilled 8 bytes (session 5's kernel) and the sweep was
+#: mixed (7,096 -> 6,824 us at 4096 tokens, 22,171 -> 22,954 at 16384, scripts/sweep_moe_tails.py).
+#: Since the scales come by TMA and the pair rows are bf16, GEMM 2 with tails does not spill (without
+#: them it spills 40 B in its epilogue), and the tails took 4096 tokens 6,162 -> 5,572 us
+#: (scripts/sweep_moe_prefill.py).
+_GEMM2_TAILS = True
+
+
+#: GEMM 2's per-pair output rows on the wgmma path (prefill), which the combine reads back: bf16
+#: (each expert's weighted output rounded once before the fp32 sum in slot order) halves the
+#: traffic of fp32 rows, 805 MB of them at 4096 GLM-5 tokens.
+PAIR_ROWS_DTYPE = torch.bfloat16
 
 
 def wgmma_gemm2_config(cfg):
@@ -464,7 +473,7 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
     alpha, limit = GPT_OSS_ALPHA, GPT_OSS_LIMIT
     launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=True, swiglu=_SWIGLU[activation],
                          alpha=alpha, limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
-    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
+    y_pair = torch.empty((T * k, H), dtype=PAIR_ROWS_DTYPE, device=x.device)
     # per sorted row: reading it per pair in this kernel's epilogue costs GEMM 2 ~170 B of spills
     row_w = _pair_weights(topk_weights)[plan.sorted_pair.long()]
     launch_grouped_wgmma(h, p2, H, plan, y_pair, wgmma_gemm2_config(cfg), gather=False, x_mma_order=True,

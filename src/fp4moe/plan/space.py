@@ -1042,9 +1042,9 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
 class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs on the SM90 wgmma kernel (``kernels.gemm_wgmma``, GROUPED):
-    what the runtime runs for bf16 W4A16 layers with more than 16 rows per expert on SM90
+    what the runtime runs for bf16 W4A16 layers with more than 8 rows per expert on SM90
     (``ops.moe.packed_layout_config``). GEMM 1 reads the gathered rows in MMA K order and applies
-    SwiGLU; GEMM 2 applies the routing weight and scatters fp32 rows. Same shared memory as the
+    SwiGLU; GEMM 2 applies the routing weight and scatters bf16 pair rows. Same shared memory as the
     plain kernel (``wgmma_smem_terms``)."""
 
     name = "fp4_moe_wgmma"
@@ -1099,7 +1099,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
         programs = tiles * tiles_n
         w_expert = fp4_weight_bytes(w_rows, problem.K, problem.fmt)
         x_rows = problem.pairs * problem.K * 2
-        out_bytes = problem.pairs * problem.N * (2 if problem.gemm == 1 else 4)
+        out_bytes = problem.pairs * problem.N * 2  # bf16 h (GEMM 1) or pair rows (GEMM 2, ops.moe.PAIR_ROWS_DTYPE)
         gather = 2 * x_rows if problem.gemm == 1 else 0  # the pass into MMA K order (GEMM 1 only)
         nbytes = experts * w_expert + x_rows + out_bytes + gather
         l2_bytes = tiles * w_expert + tiles_n * x_rows + out_bytes
