@@ -259,7 +259,8 @@ WGMMA_CASES = [c + (1,) for c in [
     ("gemm2", 4, 64, 4, "mxfp4", True, 2, 0), ("gemm2", 4, 128, 3, "nvfp4", True, 2, 0),
     ("gemm2", 8, 128, 4, "nvfp4", False, 1, 0), ("gemm2", 8, 256, 4, "mxfp4", False, 1, 128),
     ("gemm1", 4, 32, 4, "nvfp4", False, 2, 0), ("gemm2", 4, 32, 4, "mxfp4", True, 2, 0),
-    ("gemm1", 4, 16, 6, "mxfp4", False, 2, 0), ("gemm2", 8, 16, 4, "nvfp4", False, 2, 0)]] + [
+    ("gemm1", 4, 16, 6, "mxfp4", False, 2, 0), ("gemm2", 8, 16, 4, "nvfp4", False, 2, 0),
+    ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32), ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32)]] + [
     # small batches: K split over programs (fp32 partials, bias in the reduction)
     ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4), ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8),
     ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2)]
