@@ -3,13 +3,18 @@
 At prefill the tensor cores are the bound, and on SM90 only ``wgmma`` reaches them at full rate.
 ``wgmma`` takes its A operand from registers, with the same per-warp fragment layout as
 ``mma.sync.m16n8k16`` — the layout ``fp4moe.ops.mma_layout`` stores the weights in. So the
-program's weight words for a 64-K chunk (16-row blocks of 128 int32, contiguous per block) arrive
-by TMA into a shared ring, each thread reads its own 16 bytes back and decodes them
-(``linear_mma.decode_a_operand``: ~2 instructions per value, the layout conversion asserted free)
-straight into the operand; the activations arrive by TMA on the same mbarrier per ring stage, in
-the 128-byte swizzle wgmma reads as its B operand. (Until session 5 each thread copied its weight
+program's weight words for a 64-K chunk (16-row blocks of 128 int32, contiguous per block) and
+their scale pairs arrive by TMA into a shared ring, each thread reads its own 16 bytes back and
+decodes them (``linear_mma.decode_a_operand``: ~2 instructions per value, the layout conversion
+asserted free) straight into the operand; the activations arrive by TMA on the same mbarrier
+per ring stage, in the 128-byte swizzle wgmma reads as its B operand. (Until session 5 each thread copied its weight
 words with a 16-byte ``cp.async``: per-thread addresses, commit and wait on the warps that also
-decode and issue the wgmmas.)
+decode and issue the wgmmas; until session 8 the scales came through registers two chunks ahead,
+a load latency per chunk once chunks are short.)
+
+Small batches (the plain linear at M <= 64): 16- to 64-row activation tiles, and the K chunks
+split over grid axis 1 (``k_per_split`` each); each split writes its fp32 partial tile, which
+``kernels.linear.splitk_reduce_kernel`` adds in split order (deterministic) with the bias.
 
 Activations in MMA K order. The weights' K is permuted inside every 64-chunk (stored k = 16t +
 4kl + 2i2 + i0 at MMA position 16kl + 8i2 + 2t + i0, see ``mma_layout``), so the B operand must
