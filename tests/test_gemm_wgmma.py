@@ -233,8 +233,9 @@ def test_wgmma_register_hazard_check():
 
 
 def test_loop_spill_count():
-    """Spill stores and loads count when they sit between the first and last HGMMA (the main loop),
-    not after it (an epilogue's), and a kernel without HGMMA has none in its loop."""
+    """Spill stores and loads count when they sit inside a loop whose body holds an HGMMA (the
+    backward branch's range, also before the first HGMMA of the body), not after it (an
+    epilogue's); without a branch, between the first and last HGMMA; none without HGMMA."""
     from fp4moe.plan.sass import loop_local_memory_ops
 
     epilogue = _SASS_LOOP % (0, "STL.64 [R1], R2")
@@ -242,7 +243,11 @@ def test_loop_spill_count():
     inside = epilogue.replace("IMAD R12, R13, 0x2, RZ", "LDL.LU.64 R2, [R1]").replace(
         "HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR4], R88, gsb0 ;", "STL [R1+0x8], R5 ;\n        /*0124*/ "
         "HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR4], R88, gsb0 ;")
-    assert loop_local_memory_ops(inside) == 1  # the STL between the two HGMMAs; the LDL after the last
+    assert loop_local_memory_ops(inside) == 2  # the STL between the HGMMAs, the LDL before the branch
+    reload = epilogue.replace("LDS.128 R152, [R13+UR5+0x10000]", "LDL.128 R152, [R1+0x10]")
+    assert loop_local_memory_ops(reload) == 1  # in the body, before its first HGMMA
+    straight = "\n".join(line for line in inside.splitlines() if "BRA" not in line)
+    assert loop_local_memory_ops(straight) == 1  # no loop: the first-to-last HGMMA range
     assert loop_local_memory_ops("        /*0000*/ STL [R1], R2 ;\n") == 0
 
 

@@ -274,7 +274,7 @@ def fp4_gemm_wgmma_kernel(
     stride_om, stride_ge, stride_be, n_tiles_m,  # n_tiles_m: plain: cdiv(M, BLOCK_M); GROUPED: tiles
     k_per_split,  # plain: K chunks per program along grid axis 1 (split-K: program s sums chunks from s k_per_split
     #               and writes its fp32 partial at out_ptr + s M stride_om, for ``splitk_reduce_kernel``)
-    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 64, 128 or 256 (REPEATS = 1)
+    BLOCK_M: gl.constexpr,  # activation rows per program (the wgmma N side): 16 to 256 (256: REPEATS = 1)
     WARPS: gl.constexpr,  # 4 (one warpgroup) or 8 (two)
     REPEATS: gl.constexpr,  # 16-row weight blocks per warp: 2 (32 WARPS weight rows; GEMM 1 needs it) or 1
     STAGES: gl.constexpr,  # ring depth (chunks c+1 .. c + STAGES - 2 load while c computes)

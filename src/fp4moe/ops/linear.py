@@ -308,8 +308,9 @@ def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_coun
     """The configuration of the kernel on weights in MMA operand order (``ops.mma_layout``) that
     ``fp4_linear`` runs for bf16 activations on compiled CUDA, or None for the Triton kernel:
     W4A16 decode (M <= MAX_M) on the mma.sync kernel, which every catalogued architecture, SM80 on,
-    has (an ``MMAConfig``); W4A16 prefill (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
-    ``WgmmaConfig``). The rest (M in between, other architectures' prefill, W4A4) on the Triton kernel."""
+    has (an ``MMAConfig``); W4A16 above it (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
+    ``WgmmaConfig``, split along K up to M = 64). The rest (M > MAX_M on other architectures, W4A4)
+    on the Triton kernel."""
     from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
 
     if path != "w4a16" or arch is None:

@@ -440,9 +440,10 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
 #: GEMM 2 runs the short tails with narrower wgmmas too (``WgmmaConfig.tail_m``). Off until
 #: session 8: with both tile variants GEMM 2 spilled 8 bytes (session 5's kernel) and the sweep was
 #: mixed (7,096 -> 6,824 us at 4096 tokens, 22,171 -> 22,954 at 16384, scripts/sweep_moe_tails.py).
-#: Since the scales come by TMA and the pair rows are bf16, GEMM 2 with tails does not spill (without
-#: them it spills 40 B in its epilogue), and the tails took 4096 tokens 6,162 -> 5,572 us
-#: (scripts/sweep_moe_prefill.py).
+#: Since the scales come by TMA and the pair rows are bf16, the GLM-5 configuration of GEMM 2 with
+#: tails (per-expert globals, no bias) does not spill; without tails it spills 40 B, and with bias and
+#: per-row globals 56 B, all outside the main loop (``plan.sass.loop_local_memory_ops``). The tails
+#: took 4096 tokens 6,162 -> 5,572 us (scripts/sweep_moe_prefill.py).
 _GEMM2_TAILS = True
 
 
@@ -610,7 +611,9 @@ def fp4_moe_reference(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: 
                       input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The numerics the kernels match: fp32 products of dequantized weights; the SwiGLU output is
     rounded to x's dtype (the kernels store it so); each token sums its k expert outputs in slot
-    order in fp32, then adds the shared-expert output, and rounds once to x's dtype.
+    order in fp32, then adds the shared-expert output, and rounds once to x's dtype. (The SM90
+    wgmma path rounds each weighted expert output to bf16 before that sum, ``PAIR_ROWS_DTYPE``: the
+    tests' tolerance covers it.)
     W4A4: x is quantized to NVFP4 once ([T, H], one global scale), and the SwiGLU outputs of all
     T*k pairs are quantized together ([T*k, I], dynamic global scale) before the second GEMM."""
     from ..quantize import quantize

@@ -153,14 +153,32 @@ def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
 
 
 def loop_local_memory_ops(sass: str) -> int:
-    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) between the first and the
-    last HGMMA: in a wgmma kernel's main loop, where they cost every iteration. Spills before or after
-    (a prologue's or an epilogue's) run once per tile."""
+    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) inside a wgmma kernel's
+    main loops, where they cost every iteration: the address ranges of the backward branches whose
+    body holds an HGMMA (a kernel with tile variants has one loop each), among the branches before
+    the kernel's final EXIT (ptxas places the mbarrier wait's retry blocks after it, and their
+    branches back into the body are not loops of their own). Spills outside them (a prologue's or
+    an epilogue's) run once per tile. Without such a branch (a loop unrolled completely), the range
+    from the first to the last HGMMA."""
     insns = _parse(sass)
-    hg = [i for i, (_, _, op, _) in enumerate(insns) if op.startswith("HGMMA")]
-    if not hg:
+    hgmma = [addr for addr, _, op, _ in insns if op.startswith("HGMMA")]
+    if not hgmma:
         return 0
-    return sum(op.startswith(("STL", "LDL")) for _, _, op, _ in insns[hg[0]:hg[-1] + 1])
+    end = next((addr for addr, always, op, _ in insns if op == "EXIT" and always and addr > hgmma[-1]),
+               insns[-1][0])
+    loops = []
+    for addr, _, op, ops in insns:
+        if op.startswith("BRA") and ops:
+            try:
+                target = int(ops[-1].split()[-1], 16)
+            except ValueError:
+                continue
+            if target <= addr <= end and any(target <= h <= addr for h in hgmma):
+                loops.append((target, addr))
+    if not loops:
+        loops = [(hgmma[0], hgmma[-1])]
+    return sum(op.startswith(("STL", "LDL")) and any(lo <= addr <= hi for lo, hi in loops)
+               for addr, _, op, _ in insns)
 
 
 def count_hgmma(sass: str) -> int:

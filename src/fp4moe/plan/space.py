@@ -976,8 +976,8 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
 
 class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs at decode on the mma.sync kernel (``kernels.linear_mma``,
-    GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert
-    (``ops.moe.packed_layout_config``). Each GEMM writes fp32 partial sums that a Triton epilogue
+    GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert (<= 8 on SM90
+    when the wgmma kernel can take the layer; ``ops.moe.packed_moe_kernel``). Each GEMM writes fp32 partial sums that a Triton epilogue
     kernel finishes (globals, bias, SwiGLU; routing weight and scatter); no shared memory."""
 
     name = "fp4_moe_mma"
