@@ -179,3 +179,23 @@ def test_pinned_block_m_and_the_model_plan_share_one_dispatch_plan():
         grouped = [r for tt, _, _, r in planned if tt == t and r.kernel == "fp4_moe_gemm"]
         assert [r.problem.gemm for r in grouped] == [1, 2]
         assert grouped[0].chosen.config.block_m == grouped[1].chosen.config.block_m
+
+
+def test_spills_outside_the_wgmma_main_loop_are_kept_and_reported(cache):
+    """A wgmma configuration whose spills all sit outside the main loop (GEMM 2 without tail tiles:
+    255 registers, an epilogue spill) stays legal and is reported as such; the same spill inside
+    the loop (a synthetic compile result) is refused."""
+    import dataclasses
+
+    from fp4moe.ops.mma_layout import WgmmaConfig
+    from fp4moe.plan.planner import _compiled_verdict, _resolve, _verdict_line, evaluate
+
+    problem = MoEGemmProblem(4096, 8, 256, 6144, 2048, gemm=2)
+    v = evaluate("fp4_moe_wgmma", problem, "sm90", config=WgmmaConfig(block_m=128, warps=4), cache=cache)
+    assert v.compiled is not None and v.compiled.ok
+    assert v.compiled.spill_bytes > SPILL_LIMIT_BYTES and v.compiled.loop_spill_ops == 0, v.compiled.ptxas_log
+    assert not v.reasons and "outside the main loop" in _verdict_line(v)
+    arch, gpu = _resolve(get_arch("sm90"), None)
+    in_loop = dataclasses.replace(v.compiled, loop_spill_ops=2)
+    refused = _compiled_verdict(get_kernel("fp4_moe_wgmma"), v, problem, arch, gpu, in_loop)
+    assert any("spills" in r for r in refused.reasons)
