@@ -253,13 +253,22 @@ def launch_linear(
         FOLD=fast_fold(act, fast_decode(act, x2.dtype), w.fmt.scale_kind == "e4m3"), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
-        from ..kernels.linear import splitk_reduce_kernel
+        reduce_splits(target, bias, out)
+    return out
 
-        block = 1024
-        splitk_reduce_kernel[(M, triton.cdiv(N, block))](
-            target, bias_arg, out, M, N, out.stride(0),
-            SPLIT_K=split, BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
-        )
+
+def reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out[M, N] = sum over s of part[s] (+ bias)``, fp32 partials [S, M, N] added in split order
+    (``kernels.linear.splitk_reduce_kernel``): the second launch of every split-K linear (the
+    Triton kernel here, the mma.sync and wgmma kernels of ``ops.mma_layout``)."""
+    import triton
+
+    from ..kernels.linear import splitk_reduce_kernel
+
+    S, M, N = part.shape
+    splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
+        part, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=S, BLOCK=1024,
+        HAS_BIAS=bias is not None, num_warps=4)
     return out
 
 

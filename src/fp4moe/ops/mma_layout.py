@@ -426,7 +426,6 @@ def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | No
     out with unit stride along N. Compiled CUDA only (Gluon; no interpreter)."""
     import triton
 
-    from ..kernels.linear import splitk_reduce_kernel
 
     if config.kw > 1:
         return _launch_kw(x2, p, bias, out, config)
@@ -436,9 +435,9 @@ def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | No
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
     _launch(x2, p, bias, target, M, N, config, triton.cdiv(M, config.block_m), stride_ym=out.stride(0))
     if split > 1:
-        splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
-            target, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=1024,
-            HAS_BIAS=bias is not None, num_warps=4)
+        from .linear import reduce_splits
+
+        reduce_splits(target, bias, out)
     return out
 
 
@@ -679,8 +678,7 @@ def _s_desc(p: MMAPackedFP4, rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     sc = p.scales.view(torch.int16).reshape(p.scales.shape[0], -1)
-    per_chunk = sc.shape[1] // p.words.shape[1]
-    return TensorDescriptor.from_tensor(sc, [rows, per_chunk], _s_smem_layout())
+    return TensorDescriptor.from_tensor(sc, [rows, _scale_pairs_per_chunk(p.fmt)], _s_smem_layout())
 
 
 def _s_smem_layout():
@@ -744,8 +742,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
     if config.ws:
         if gemm != "linear":
             raise ValueError(f"config: the warp-specialized kernel runs the plain linear only, got gemm={gemm!r}")
-        s_type = f"tensordesc<i16[{w_rows}, {_scale_pairs_per_chunk(fmt)}],{_s_smem_layout()!r}>"
-        signature = {"w_desc": w_type, "s_desc": s_type, "x_desc": _x_desc_type(config.block_m),
+        signature = {"w_desc": w_type, "s_desc": _s_desc_type(w_rows, fmt), "x_desc": _x_desc_type(config.block_m),
                      **_epilogue_signature("*bf16")}
         return CompileRequest(kernel="fp4moe.kernels.gemm_ws:fp4_gemm_ws_kernel", signature=signature,
                               constexprs=dict(common, A_STAGES=WS_A_STAGES, DECODE_REGS=WS_DECODE_REGS), cc=cc,
@@ -755,8 +752,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
         if gemm != "linear":
             raise ValueError(f"config: split_k is for the plain linear, got gemm={gemm!r}")
         common["HAS_BIAS"] = False  # the reduction adds it
-    s_type = f"tensordesc<i16[{w_rows}, {_scale_pairs_per_chunk(fmt)}],{_s_smem_layout()!r}>"
-    signature = {"w_desc": w_type, "s_desc": s_type, "x_desc": _x_desc_type(config.block_m),
+    signature = {"w_desc": w_type, "s_desc": _s_desc_type(w_rows, fmt), "x_desc": _x_desc_type(config.block_m),
                  "x_tail_desc": _x_desc_type(config.tail_m or config.block_m),
                  **_epilogue_signature("*fp32" if config.split_k > 1 else "*bf16"),
                  "k_per_split": "i32"}
@@ -780,10 +776,16 @@ def ws_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, 
 
 
 def _scale_pairs_per_chunk(fmt: FP4Format | str) -> int:
-    """int16 scale pairs per 16-row block and 64-K chunk in ``pack_mma``'s layout."""
+    """int16 scale pairs per 16-row block and 64-K chunk in ``pack_mma``'s layout: ROWS rows of
+    KCHUNK / block_size one-byte scales (NVFP4 32, MXFP4 16)."""
     from ..formats import get_format
 
-    return 16 if get_format(fmt) is not NVFP4 else 32
+    return ROWS * (KCHUNK // get_format(fmt).block_size) // 2
+
+
+def _s_desc_type(rows: int, fmt: FP4Format | str) -> str:
+    """The Triton signature type of ``_s_desc``'s descriptor for boxes of ``rows`` 16-row blocks."""
+    return f"tensordesc<i16[{rows}, {_scale_pairs_per_chunk(fmt)}],{_s_smem_layout()!r}>"
 
 
 def wgmma_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, int, int]]:
@@ -806,7 +808,6 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     import triton
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
-    from ..kernels.linear import splitk_reduce_kernel
 
     if config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
@@ -840,9 +841,9 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
                                 ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
                                 num_warps=config.warps, **consts)
     if split > 1:
-        splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
-            target, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=1024,
-            HAS_BIAS=bias is not None, num_warps=4)
+        from .linear import reduce_splits
+
+        reduce_splits(target, bias, out)
     return out
 
 

@@ -92,6 +92,12 @@ def _pair_weights(topk_weights: torch.Tensor) -> torch.Tensor:
     return topk_weights.reshape(-1).to(torch.float32).contiguous()
 
 
+def _check_row_weight(row_weight: torch.Tensor | None, scatter: bool) -> None:
+    """The epilogues read a pair's routing weight at its scattered output row: it needs scatter."""
+    if row_weight is not None and not scatter:
+        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
+
+
 def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor,
                     cfg: MoEGemmConfig, *, swiglu: int, interleaved: bool, gather: bool, scatter: bool,
                     row_weight: torch.Tensor | None, bias: torch.Tensor | None, act: int = 0) -> torch.Tensor:
@@ -100,8 +106,7 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
     routing weight of each pair, ``_pair_weights``) needs ``scatter``: a row's pair is its output row."""
     import triton
 
-    if row_weight is not None and not scatter:
-        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
+    _check_row_weight(row_weight, scatter)
 
     from ..kernels.moe import moe_gemm_kernel
 
@@ -377,7 +382,8 @@ def wgmma_moe_config(rows_per_expert: float):
     (``tail_m``, ``_GEMM2_TAILS``). Session 8 (``scripts/sweep_moe_prefill.py``): 4096 tokens
     6,126 -> 5,572 us against session 7's 64-row tails in GEMM 1 only and fp32 pair rows (the grouped
     GEMMs 5,122 -> 4,977 us of it, the combine 345 -> 106); 64-row tails in both 5,688; at 16384
-    tokens 20,106 -> 20,464 (+2%, within the sweep's spread). Session 5 (64-row tails in GEMM 1):
+    tokens 20,106 -> 20,464 in that run and 20,663 -> 20,350 in its repeat (within the spread).
+    Session 5 (64-row tails in GEMM 1):
     7,469 -> 7,096 us at 4096 tokens."""
     from .mma_layout import WgmmaConfig
 
@@ -395,8 +401,7 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
     (``row_weight`` as ``launch_moe_gemm``'s)."""
     import triton
 
-    if row_weight is not None and not scatter:
-        raise ValueError("row_weight: the routing weights are read at each scattered row's pair (scatter=True)")
+    _check_row_weight(row_weight, scatter)
 
     from ..kernels.moe import moe_partials_epilogue_kernel
 
