@@ -8,6 +8,9 @@ Usage on a GPU machine: PYTHONPATH=src python scripts/sweep_quantize.py [--out D
    global scale for a sweep of QuantizeConfig tiles, and the original kernel (``--baseline``, a copy
    of the previous ``kernels/quantize.py``) when given; fractions are of the copy bandwidth measured
    in the same run, with the bytes ``bench.linear.run_quantize_bench`` counts.
+``--structure`` instead times the heuristic's tiles under register caps (``maxnreg``) and a
+pure-traffic floor (the same loads and stores, an XOR for the arithmetic), after the checks and an
+exhaustive check of the short-significand division (``kernels.quantize.div_by_reciprocal``).
 Prints a table; writes JSON to --out (default $OUT).
 """
 
@@ -23,6 +26,7 @@ import triton.language as tl
 
 import fp4moe
 from fp4moe.bench.timing import measure_copy_bandwidth, time_cuda_graph, warm_up_gpu
+from fp4moe.kernels import quantize as qk
 from fp4moe.kernels.quantize import reciprocal_rn_asm
 from fp4moe.ops import quantize as opq
 from fp4moe.ops.quantize import QuantizeConfig, quantize_activations
@@ -79,6 +83,71 @@ def inputs(gen):
 
 
 @triton.jit
+def _floor_kernel(x_ptr, data_ptr, scales_ptr, K, BLOCK_K: tl.constexpr):
+    """The quantizer's traffic with almost no arithmetic (one row of BLOCK_K per program, as the
+    heuristic's tiles): the same four 16-byte loads per thread and chunk, one 16-byte and one
+    2-byte store."""
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1)
+    r0, r1, r2, r3 = qk._load_tile(x_ptr + row * K + col * BLOCK_K, 1, BLOCK_K // 16, K, 1, BLOCK_K, False)
+    words = r0 ^ r1 ^ r2 ^ r3  # [1, NC, 4]
+    a, b = tl.split(tl.reshape(words, (1, BLOCK_K // 32, 2, 2)))
+    chunks = tl.arange(0, BLOCK_K // 32)
+    tl.store(data_ptr + row * (K // 8) + col * (BLOCK_K // 8) + chunks[None, :, None] * 4
+             + tl.arange(0, 4)[None, None, :], words)
+    tl.store(scales_ptr + row * (K // 16) + col * (BLOCK_K // 16) + chunks[None, :, None] * 2
+             + tl.arange(0, 2)[None, None, :], (a ^ b).to(tl.uint8))
+
+
+def structure_sweep(results, record, x, gs, want):
+    """The heuristic's tiles with register caps (``maxnreg``), and the traffic floor."""
+    M, K = x.shape
+    data = torch.empty(M, K // 8, dtype=torch.int32, device="cuda")
+    scales = torch.empty(M, K // 16, dtype=torch.uint8, device="cuda")
+    gst = torch.as_tensor(gs, dtype=torch.float32, device="cuda").reshape(())
+    for bk, nw in ((2048, 2), (1024, 1)):
+        for reg in (None, 64, 56, 48):
+            def launch(bk=bk, nw=nw, reg=reg):
+                qk.nvfp4_quantize_kernel[(M, K // bk)](x, data, scales, gst, gst, M, K, K, BLOCK_M=1, BLOCK_K=bk,
+                                                       DYNAMIC=False, EMULATE_FMA=False, SM86=True,
+                                                       num_warps=nw, maxnreg=reg)
+            launch()
+            ok = torch.equal(data.view(torch.uint8), want.data) and torch.equal(scales, want.scales.view(torch.uint8))
+            results["checks"].append({"case": "timing input", "config": f"1x{bk} w{nw} maxnreg {reg}", "ok": ok})
+            record(f"1x{bk} w{nw} maxnreg={reg}{'' if ok else ' MISMATCH'}", launch, kind="maxnreg", block_k=bk,
+                   num_warps=nw, maxnreg=reg)
+    for bk, nw in ((2048, 2), (1024, 1)):
+        record(f"traffic floor 1x{bk} w{nw}", lambda: _floor_kernel[(M, K // bk)](x, data, scales, K, BLOCK_K=bk,
+                                                                                 num_warps=nw), kind="floor")
+    record(f"heuristic {QuantizeConfig.from_heuristic(M, K)} given", lambda: quantize_activations(x, gs), kind="new")
+    record(f"heuristic {QuantizeConfig.from_heuristic(M, K)} dynamic", lambda: quantize_activations(x, None),
+           kind="new", scale="dynamic")
+
+
+@triton.jit
+def _exhaustive_div_kernel(bad_ptr, SIG_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Mismatches of ``div_by_reciprocal`` against div.rn for a = 1 + i / 2**SIG_BITS (program
+    axis 1) and every fp32 d in [1, 2) (axis 0 covers the 2**23 significands)."""
+    a = 1.0 + tl.program_id(1).to(tl.float32) / (1 << SIG_BITS)
+    bits = 0x3F800000 + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    d = bits.to(tl.float32, bitcast=True)
+    q = qk.div_by_reciprocal(tl.zeros_like(d) + a, d, qk.reciprocal_rn_asm(d), False)
+    want = tl.math.div_rn(tl.zeros_like(d) + a, d)
+    tl.atomic_add(bad_ptr, tl.sum((q != want).to(tl.int32), axis=0))
+
+
+def check_short_division():
+    """Exhaustive: bf16 (7 fraction bits) and fp16 (10) significands x all fp32 divisor significands."""
+    out = {}
+    for name, bits in (("bf16", 7), ("fp16", 10)):
+        bad = torch.zeros((), dtype=torch.int32, device="cuda")
+        _exhaustive_div_kernel[((1 << 23) // 1024, 1 << bits)](bad, SIG_BITS=bits, BLOCK=1024)
+        out[name] = int(bad)
+        print(f"div_by_reciprocal vs div.rn, every {name} significand x every divisor significand: {out[name]} mismatches")
+    return out
+
+
+@triton.jit
 def _rcp_kernel(d_ptr, out_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -121,6 +190,7 @@ def main():
     p.add_argument("--M", type=int, default=16384)
     p.add_argument("--K", type=int, default=6144)
     p.add_argument("--wide", action="store_true", help="only the widest row tiles (skips the bit-exactness cases)")
+    p.add_argument("--structure", action="store_true", help="register caps and the traffic floor (after the checks)")
     args = p.parse_args()
     t0 = time.time()
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -130,6 +200,7 @@ def main():
     # 1. bit-exactness
     bad = check_reciprocal(gen)
     results["reciprocal_mismatches"] = bad
+    results["short_division_mismatches"] = check_short_division()
     print(f"reciprocal_rn_asm vs 1/d: {bad} mismatches of {(1 << 24) + (1 << 23)}")
     n_ok = 0
     cfgs = [None, QuantizeConfig(1, 32, 1), QuantizeConfig(32, 512, 8)]
@@ -165,6 +236,13 @@ def main():
         print(f"{label:58s} {t.median_us:8.1f} us  {row['frac_copy']:6.1%}  (p10 {t.p10_us:.1f}, p90 {t.p90_us:.1f})")
         return row
 
+    if args.structure:
+        structure_sweep(results, record, x, gs, fp4moe.quantize(x, "nvfp4", gs))
+        results["wall_s"] = time.time() - t0
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sweep-quantize-structure-h200.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
     if args.baseline and os.path.exists(args.baseline):
         base = baseline_fn(args.baseline)
         record("baseline kernel (HEAD) given 16x512 w8", lambda: base(x, gs), kind="baseline", scale="given")

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from fp4moe import FP4Tensor, quantize
 from fp4moe.formats import e2m1_encode, nvfp4_block_scales
-from fp4moe.kernels.quantize import (div_by_reciprocal_pair, e2m1_magnitudes, e4m3_round, nvfp4_quantize_kernel,
-                                     reciprocal_pair)
+from fp4moe.kernels.quantize import (div_by_reciprocal, div_by_reciprocal_pair, e2m1_magnitudes, e4m3_round,
+                                     nvfp4_quantize_kernel, reciprocal_pair, reciprocal_rn)
 from fp4moe.ops.quantize import (
     _EMULATE_FMA,
     QuantizeConfig,
@@ -141,6 +141,16 @@ CASES = [
     Case("ties", ties, m=8, k=64, dtype=torch.float32, global_scale=1.0),
     Case("ties-bf16", ties, m=8, k=64, global_scale=1.0),
     Case("near-boundaries", near_boundaries, m=32, k=256, dtype=torch.float32, global_scale=1.0),
+    # bf16/fp16 take the short division (kernels.quantize.div_by_reciprocal)
+    Case("near-boundaries-bf16", near_boundaries, m=32, k=256, global_scale=1.0),
+    Case("near-boundaries-fp16", lambda m, k, g: near_boundaries(m, k, g) * 2.0 ** -8, m=32, k=256,
+         dtype=torch.float16, global_scale=1.0),  # (scaled into fp16's range)
+    Case("near-boundaries-bf16-dynamic", near_boundaries, m=32, k=256),
+    # programs that need the per-element clamp (saturated or subnormal-scale blocks) next to ones that do not
+    Case("mixed-saturation", lambda m, k, g: normal(m, k, g) * torch.logspace(-6, 4, m)[:, None], m=17, k=272,
+         global_scale=1e-3),
+    Case("mixed-saturation-fp16", lambda m, k, g: normal(m, k, g) * torch.logspace(-5, 3, m)[:, None], m=17,
+         k=272, dtype=torch.float16, global_scale=1e-3),
     # global scales outside [2**-91, 2**100] take the kernel's per-element division path
     Case("wide-range-huge-g", wide_range, m=4, k=1024, dtype=torch.float32, global_scale=1e36),
     Case("wide-range-tiny-g", wide_range, m=4, k=1024, dtype=torch.float32, global_scale=1e-36),
@@ -209,16 +219,24 @@ def test_config_pins_give_the_same_bits(device):
 
 def test_heuristic():
     big = QuantizeConfig.from_heuristic(16384, 6144)
-    assert big == QuantizeConfig(block_m=1, block_k=2048, num_warps=2)
-    assert QuantizeConfig.from_heuristic(64, 512) == QuantizeConfig(block_m=2, block_k=512, num_warps=1)
-    assert QuantizeConfig.from_heuristic(64, 2880) == QuantizeConfig(block_m=1, block_k=1024, num_warps=1)
-    assert QuantizeConfig.from_heuristic(64, 7168).block_k == 1024  # no 2048-wide tile wasted past K
-    assert QuantizeConfig.from_heuristic(64, 4096).block_k == 2048
+    assert big == QuantizeConfig(block_m=1, block_k=1024, num_warps=1, maxnreg=64)
+    assert QuantizeConfig.from_heuristic(64, 512) == QuantizeConfig(block_m=2, block_k=512, num_warps=1, maxnreg=64)
+    assert QuantizeConfig.from_heuristic(64, 2880) == QuantizeConfig(block_m=1, block_k=1024, num_warps=1, maxnreg=64)
+    assert QuantizeConfig.from_heuristic(64, 7168).block_k == 1024
     assert QuantizeConfig.from_heuristic(64, 1536).block_k == 512  # 3 x 512 exactly
-    assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=32, num_warps=1)
+    assert QuantizeConfig.from_heuristic(64, 2560).block_k == 512
+    assert QuantizeConfig.from_heuristic(1, 16) == QuantizeConfig(block_m=1, block_k=32, num_warps=1, maxnreg=64)
+    assert QuantizeConfig.from_heuristic(64, 48) == QuantizeConfig(block_m=16, block_k=64, num_warps=1, maxnreg=64)
     assert QuantizeConfig.from_heuristic(3, 48).block_k == 64
+    assert QuantizeConfig.from_heuristic(64, 6144, torch.float32).maxnreg is None  # would spill
+    assert QuantizeConfig.from_heuristic(64, 6144, torch.float16).maxnreg is None
+    for M, K in ((1, 16), (5, 96), (64, 48), (7, 6144), (16384, 6144)):
+        cfg = QuantizeConfig.from_heuristic(M, K)
+        assert cfg.block_m * cfg.block_k <= 1024 and cfg.num_warps == 1  # 32 elements per thread at most
     with pytest.raises(AttributeError):
         big.block_m = 2  # frozen
+    with pytest.raises(ValueError, match="maxnreg"):
+        QuantizeConfig(1, 32, 1, maxnreg=8)
 
 
 def test_dynamic_global_scale_is_a_correctly_rounded_division(device):
@@ -236,7 +254,7 @@ def test_dynamic_global_scale_is_a_correctly_rounded_division(device):
     scales = torch.empty(4, 4, dtype=torch.uint8, device=device)
     gs = torch.empty((), device=device)
     nvfp4_quantize_kernel[(1, 1)](x, data, scales, amax.to(device), gs, 4, 64, 64, BLOCK_M=4, BLOCK_K=64,
-                                  DYNAMIC=True, EMULATE_FMA=_EMULATE_FMA)
+                                  DYNAMIC=True, SM86=False, EMULATE_FMA=_EMULATE_FMA)
     assert gs.cpu().item() == exact.float().item()
     assert nvfp4_global_scale(amax.to(device)).cpu().item() == exact.float().item()
 
@@ -299,6 +317,31 @@ def _div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, EMULATE_FMA: tl.c
     d = tl.load(d_ptr + offs, mask=mask, other=1.0)
     y, y_lo = reciprocal_pair(d, EMULATE_FMA)
     tl.store(out_ptr + offs, div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA), mask=mask)
+
+
+@triton.jit
+def _short_div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    a = tl.load(a_ptr + offs, mask=mask, other=1.0)
+    d = tl.load(d_ptr + offs, mask=mask, other=1.0)
+    tl.store(out_ptr + offs, div_by_reciprocal(a, d, reciprocal_rn(d, EMULATE_FMA), EMULATE_FMA), mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_division_is_correctly_rounded(dtype, device):
+    """div_by_reciprocal on bf16/fp16 dividends (a sample; scripts/sweep_quantize.py checks every
+    significand pair on the GPU), divisors crowding 1 and 2 across the kernel's range."""
+    g = _gen(10)
+    n = 1 << 18
+    sig = torch.cat([1 + torch.rand(n // 2, generator=g) ** 8, 2 - torch.rand(n // 2, generator=g) ** 8])
+    d = torch.ldexp(sig, torch.randint(-100, 100, (n,), generator=g)).float()
+    # quotients 0..7 with bf16/fp16 significands: a value of the dtype times d's power of two (exact)
+    a = (torch.rand(n, generator=g) * 7).to(dtype).float() * torch.ldexp(torch.ones(n), torch.frexp(d).exponent)
+    out = torch.empty(n, device=device)
+    _short_div_kernel[(triton.cdiv(n, 4096),)](a.to(device), d.to(device), out, n, BLOCK=4096,
+                                               EMULATE_FMA=_EMULATE_FMA)
+    assert torch.equal(out.cpu(), a / d)
 
 
 def test_division_by_reciprocal_pair_is_correctly_rounded(device):
@@ -393,13 +436,13 @@ for cc in json.loads(sys.argv[1]):
     target = GPUTarget("cuda", cc, 32)
     sig = {"x_ptr": "*bf16", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
            "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "BLOCK_M": "constexpr",
-           "BLOCK_K": "constexpr", "DYNAMIC": "constexpr",
+           "BLOCK_K": "constexpr", "DYNAMIC": "constexpr", "SM86": "constexpr",
            "EMULATE_FMA": "constexpr"}
-    consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "DYNAMIC": True,
+    consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "DYNAMIC": True, "SM86": cc >= 86,
               "EMULATE_FMA": False}
     attrs = {(i,): div16 for i in (0, 1, 2, 3, 4, 6, 7)}
     quant = triton.compile(ASTSource(nvfp4_quantize_kernel, sig, consts, attrs), target=target,
-                           options={"num_warps": cfg.num_warps})
+                           options={"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg})
     sig = {"x_ptr": "*bf16", "amax_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
            "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ROW_STEPS": "constexpr"}
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "ROW_STEPS": 4}
@@ -410,7 +453,8 @@ for cc in json.loads(sys.argv[1]):
                     "absmax_ptx": len(amax.asm["ptx"]), "absmax_shared": amax.metadata.shared,
                     "loads_16B": ptx.count("ld.global.v4.b32"), "fma": ptx.count("fma.rn.f32"),
                     "approx_div": ptx.count("div.approx") + ptx.count("div.full"),
-                    "fp8_cvt": ptx.count("e4m3x2")})
+                    "fp8_cvt": ptx.count("e4m3x2"), "maxnreg": ".maxnreg 64" in ptx,
+                    "xorsign": ptx.count("max.xorsign.abs.bf16x2")})
 print(json.dumps(results))
 """
 
@@ -428,3 +472,5 @@ def test_cross_compiles_for_every_generation():
         assert r["fma"] > 0 and r["approx_div"] == 0, r  # exact divisions only
         assert r["fp8_cvt"] == 0, r  # integer/float rounding to E4M3, no FP8 conversion instruction
         assert r["shared"] <= 16384 and r["absmax_shared"] <= 16384, r
+        assert r["maxnreg"], r  # the heuristic's register cap reaches the PTX
+        assert (r["xorsign"] > 0) == (r["cc"] >= 86), r  # SM80 has no max.xorsign.abs

@@ -132,6 +132,15 @@ def reciprocal_rn_asm(d):
 
 
 @triton.jit
+def reciprocal_rn(d, EMULATE_FMA: tl.constexpr):
+    """RN(1 / d) for the kernel's divisors (:func:`reciprocal_rn_asm` when compiled)."""
+    if EMULATE_FMA:
+        return tl.math.div_rn(1.0, d)
+    else:
+        return reciprocal_rn_asm(d)
+
+
+@triton.jit
 def reciprocal_pair(d, EMULATE_FMA: tl.constexpr):
     """``(y, y_lo)``: y = RN(1 / d) and y_lo = RN((1 - d y) y), so that y + y_lo = 1 / d within
     2**-47 / d (1 - d y is exact, |1 - d y| <= 2**-24)."""
@@ -153,6 +162,22 @@ def div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA: tl.constexpr):
     range conditions (module docstring; the kernel checks them per call).
     """
     q = fma_rn(a, y, a * y_lo, EMULATE_FMA)
+    return fma_rn(fma_rn(-d, q, a, EMULATE_FMA), y, q, EMULATE_FMA)
+
+
+@triton.jit
+def div_by_reciprocal(a, d, y, EMULATE_FMA: tl.constexpr):
+    """``RN(a / d)`` for a >= 0 with at most 11 significant bits (bf16 or fp16 values), from
+    y = RN(1 / d): q0 = RN(a y), r = a - d q0 (exact), RN(q0 + r y), a product and two fused
+    multiply-adds (the sequence of ptxas' ``div.rn`` fast path).
+
+    Unlike :func:`div_by_reciprocal_pair` no bound makes q0 faithful for every fp32 a, so this is
+    used only where a's significand is short, and for those it was checked exhaustively: every
+    bf16 significand against every fp32 divisor significand in [1, 2) (``scripts/sweep_quantize.py
+    --exhaustive``, also fp16 on the GPU; bf16 on the CPU with an exact fused multiply-add). Every
+    operation scales by powers of two, so in the kernel's range (module docstring) that covers all
+    exponents."""
+    q = a * y
     return fma_rn(fma_rn(-d, q, a, EMULATE_FMA), y, q, EMULATE_FMA)
 
 
@@ -213,56 +238,75 @@ def _words4(w):
 
 
 @triton.jit
-def bf16_absmax_asm(u, v):
+def bf16_absmax_asm(u, v, XORSIGN: tl.constexpr):
     """max |x| over 16 bf16 elements held as two [R, NB, 4] int32 tensors of packed pairs, as fp32
-    [R, NB]: the sign bits masked off, a tree of ``max.bf16x2`` (exact on these non-negative values,
-    subnormals included), then the two halves. SM80+; the interpreter uses :func:`_absmax4`."""
+    [R, NB]: a tree of ``max.bf16x2`` on the magnitudes (exact on non-negative values, subnormals
+    included), then the two halves. XORSIGN (SM86+): ``max.xorsign.abs.bf16x2`` takes the
+    magnitudes itself (its result's sign, an XOR of the operands' signs, is masked off once at the
+    end); otherwise the sign bits are masked off first (SM80). The interpreter uses :func:`_absmax4`."""
     u0, u1, u2, u3 = _words4(u)
     v0, v1, v2, v3 = _words4(v)
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 a0, a1, a2, a3, a4, a5, a6, a7;
-        and.b32 a0, $1, 0x7fff7fff;
-        and.b32 a1, $2, 0x7fff7fff;
-        and.b32 a2, $3, 0x7fff7fff;
-        and.b32 a3, $4, 0x7fff7fff;
-        and.b32 a4, $5, 0x7fff7fff;
-        and.b32 a5, $6, 0x7fff7fff;
-        and.b32 a6, $7, 0x7fff7fff;
-        and.b32 a7, $8, 0x7fff7fff;
-        max.bf16x2 a0, a0, a1;
-        max.bf16x2 a2, a2, a3;
-        max.bf16x2 a4, a4, a5;
-        max.bf16x2 a6, a6, a7;
-        max.bf16x2 a0, a0, a2;
-        max.bf16x2 a4, a4, a6;
-        max.bf16x2 a0, a0, a4;
-        prmt.b32 a1, a0, 0, 0x1032;
-        max.bf16x2 a0, a0, a1;
-        and.b32 $0, a0, 0xffff0000;
-        }""",
-        "=r,r,r,r,r,r,r,r,r", [u0, u1, u2, u3, v0, v1, v2, v3], dtype=tl.float32, is_pure=True, pack=1)
+    if XORSIGN:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a0, a1, a2, a3;
+            max.xorsign.abs.bf16x2 a0, $1, $2;
+            max.xorsign.abs.bf16x2 a1, $3, $4;
+            max.xorsign.abs.bf16x2 a2, $5, $6;
+            max.xorsign.abs.bf16x2 a3, $7, $8;
+            max.xorsign.abs.bf16x2 a0, a0, a1;
+            max.xorsign.abs.bf16x2 a2, a2, a3;
+            max.xorsign.abs.bf16x2 a0, a0, a2;
+            prmt.b32 a1, a0, 0, 0x1032;
+            max.xorsign.abs.bf16x2 a0, a0, a1;
+            and.b32 $0, a0, 0x7fff0000;
+            }""",
+            "=r,r,r,r,r,r,r,r,r", [u0, u1, u2, u3, v0, v1, v2, v3], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a0, a1, a2, a3, a4, a5, a6, a7;
+            and.b32 a0, $1, 0x7fff7fff;
+            and.b32 a1, $2, 0x7fff7fff;
+            and.b32 a2, $3, 0x7fff7fff;
+            and.b32 a3, $4, 0x7fff7fff;
+            and.b32 a4, $5, 0x7fff7fff;
+            and.b32 a5, $6, 0x7fff7fff;
+            and.b32 a6, $7, 0x7fff7fff;
+            and.b32 a7, $8, 0x7fff7fff;
+            max.bf16x2 a0, a0, a1;
+            max.bf16x2 a2, a2, a3;
+            max.bf16x2 a4, a4, a5;
+            max.bf16x2 a6, a6, a7;
+            max.bf16x2 a0, a0, a2;
+            max.bf16x2 a4, a4, a6;
+            max.bf16x2 a0, a0, a4;
+            prmt.b32 a1, a0, 0, 0x1032;
+            max.bf16x2 a0, a0, a1;
+            and.b32 $0, a0, 0xffff0000;
+            }""",
+            "=r,r,r,r,r,r,r,r,r", [u0, u1, u2, u3, v0, v1, v2, v3], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit
 def bf16_signs_asm(w, magnitudes):
     """``magnitudes | sign_bits(...)`` for 8 bf16 elements held as [R, NB, 4] int32 packed pairs,
-    with byte permutes: the sign bits (bits 15 and 31 of each pair) are gathered into
-    A = signs of elements 0, 2, 4, 6 at bits 7, 15, 23, 31 and B = elements 1, 3, 5, 7 at the same
-    bits, and the word is magnitudes | (A >> 4) & 0x08080808 | B & 0x80808080."""
+    with byte permutes: the bytes holding the sign bits (bytes 1 and 3 of each pair) are gathered
+    into A = elements 0, 2, 4, 6, each byte replaced by its sign replicated (0x00 or 0xFF: the
+    permute's sign-extension selectors 8..15), and B = elements 1, 3, 5, 7 as they are; the word
+    is magnitudes | A & 0x08080808 | B & 0x80808080 (two three-input logic operations)."""
     w0, w1, w2, w3 = _words4(w)
     return tl.inline_asm_elementwise(
         """{
         .reg .b32 p, q, a, b;
         prmt.b32 p, $1, $2, 0x7351;
         prmt.b32 q, $3, $4, 0x7351;
-        prmt.b32 a, p, q, 0x5410;
+        prmt.b32 a, p, q, 0xDC98;
         prmt.b32 b, p, q, 0x7632;
-        shr.b32 a, a, 4;
         and.b32 a, a, 0x08080808;
+        or.b32 a, a, $5;
         and.b32 b, b, 0x80808080;
-        or.b32 a, a, b;
-        or.b32 $0, a, $5;
+        or.b32 $0, a, b;
         }""",
         "=r,r,r,r,r,r", [w0, w1, w2, w3, magnitudes], dtype=tl.int32, is_pure=True, pack=1)
 
@@ -288,16 +332,26 @@ def _absmax4(lo0, hi0, lo1, hi1):
 
 
 @triton.jit
-def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, ASM: tl.constexpr, EMULATE_FMA: tl.constexpr):
+def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, SHORT: tl.constexpr, CAP: tl.constexpr,
+                  ASM: tl.constexpr, EMULATE_FMA: tl.constexpr):
     """The code word of one quarter (8 elements as even/odd [BM, NC, 4], and their packed bf16
-    pairs ``w`` when ASM) of blocks with scale d."""
+    pairs ``w`` when ASM) of blocks with scale d. SHORT: the elements are bf16/fp16 values
+    (:func:`div_by_reciprocal`; y_lo is not used). CAP (FAST): clamp |x| to ``cap`` = 6 d first,
+    which keeps q below 7, the domain of :func:`e2m1_magnitudes`; without it every |x| / d must
+    already be below 7 (the caller checks)."""
     if ASM:  # lo and hi are magnitudes already
         a_lo, a_hi = lo, hi
     else:
         a_lo, a_hi = tl.abs(lo), tl.abs(hi)
-    if FAST:
-        m_lo = e2m1_magnitudes(div_by_reciprocal_pair(tl.minimum(a_lo, cap), d, y, y_lo, EMULATE_FMA))
-        m_hi = e2m1_magnitudes(div_by_reciprocal_pair(tl.minimum(a_hi, cap), d, y, y_lo, EMULATE_FMA))
+    if FAST and CAP:  # a capped element is 6 d rounded, a full significand, but its code is 7 either way
+        a_lo = tl.minimum(a_lo, cap)
+        a_hi = tl.minimum(a_hi, cap)
+    if FAST and SHORT:
+        m_lo = e2m1_magnitudes(div_by_reciprocal(a_lo, d, y, EMULATE_FMA))
+        m_hi = e2m1_magnitudes(div_by_reciprocal(a_hi, d, y, EMULATE_FMA))
+    elif FAST:
+        m_lo = e2m1_magnitudes(div_by_reciprocal_pair(a_lo, d, y, y_lo, EMULATE_FMA))
+        m_hi = e2m1_magnitudes(div_by_reciprocal_pair(a_hi, d, y, y_lo, EMULATE_FMA))
     else:
         # every q >= 6 has the saturated code: clamping keeps e2m1_magnitudes in its domain
         m_lo = e2m1_magnitudes(tl.minimum(tl.math.div_rn(a_lo, d), 6.0))
@@ -309,32 +363,61 @@ def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
-def _load_quarter(x_ptr, rows, chunks, stride_xm, QUARTER: tl.constexpr, mask, WORDS: tl.constexpr,
-                  ASM: tl.constexpr):
-    """Elements 32 c + 8 QUARTER + 0..7 of the tile's rows: (even, odd) fp32 [BM, NC, 4] and, when
-    WORDS (bf16), the packed pairs as int32 [BM, NC, 4] (one 16-byte load; otherwise the third value
-    repeats the even elements and is not read)."""
-    k = tl.arange(0, 4)
+def _load_raw_quarter(x_ptr, rows, chunks, stride_xm, QUARTER: tl.constexpr, mask, WORDS: tl.constexpr):
+    """Elements 32 c + 8 QUARTER + 0..7 of the tile's rows as loaded: bf16 (WORDS) as packed pairs,
+    int32 [BM, NC, 4] (one 16-byte load per thread and chunk); other dtypes as [BM, NC, 8]."""
     if WORDS:
+        k = tl.arange(0, 4)
         offs = rows[:, None, None] * (stride_xm // 2) + chunks[None, :, None] * 16 + k[None, None, :]
         if mask is None:
-            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + QUARTER * 4 + offs)
+            return tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + QUARTER * 4 + offs)
         else:
-            w = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + QUARTER * 4 + offs, mask=mask[:, :, None], other=0)
-        if ASM:  # magnitudes only: the signs are read from w
-            lo, hi = bf16_magnitudes_asm(w)
-        else:
-            lo, hi = (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
-        return lo, hi, w
+            return tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + QUARTER * 4 + offs, mask=mask[:, :, None], other=0)
     else:
         e = tl.arange(0, 8)
         offs = rows[:, None, None] * stride_xm + chunks[None, :, None] * 32 + e[None, None, :]
         if mask is None:
-            v = tl.load(x_ptr + QUARTER * 8 + offs).to(tl.float32)
+            return tl.load(x_ptr + QUARTER * 8 + offs)
         else:
-            v = tl.load(x_ptr + QUARTER * 8 + offs, mask=mask[:, :, None], other=0.0).to(tl.float32)
-        lo, hi = tl.split(tl.reshape(v, (rows.shape[0], chunks.shape[0], 4, 2)))
-        return lo, hi, lo  # (no packed pairs: the third value is not used)
+            return tl.load(x_ptr + QUARTER * 8 + offs, mask=mask[:, :, None], other=0.0)
+
+
+@triton.jit
+def _unpack_quarter(raw, WORDS: tl.constexpr, ASM: tl.constexpr):
+    """A loaded quarter (:func:`_load_raw_quarter`) as (even, odd) fp32 [BM, NC, 4] and, for bf16,
+    the packed pairs (otherwise the third value repeats the even elements and is not read);
+    with ASM the first two are magnitudes (the signs are read from the pairs)."""
+    if WORDS:
+        if ASM:
+            lo, hi = bf16_magnitudes_asm(raw)
+        else:
+            lo, hi = (raw << 16).to(tl.float32, bitcast=True), (raw & -65536).to(tl.float32, bitcast=True)
+        return lo, hi, raw
+    else:
+        v = raw.to(tl.float32)
+        lo, hi = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], 4, 2)))
+        return lo, hi, lo
+
+
+@triton.jit
+def _load_tile(x_ptr, rows_left, nblocks_left, stride_xm,
+               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
+    """The four raw quarters of a [BLOCK_M, BLOCK_K] tile (x_ptr at its first element)."""
+    WORDS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    rows = tl.arange(0, BLOCK_M)
+    chunks = tl.arange(0, BLOCK_K // 32)
+    if MASKED:  # valid (row, chunk) pairs of block A and of block B [BM, NC]
+        row_ok = rows < rows_left
+        ok_a = row_ok[:, None] & (chunks * 2 < nblocks_left)[None, :]
+        ok_b = row_ok[:, None] & (chunks * 2 + 1 < nblocks_left)[None, :]
+    else:
+        ok_a = None
+        ok_b = None
+    r0 = _load_raw_quarter(x_ptr, rows, chunks, stride_xm, 0, ok_a, WORDS)
+    r1 = _load_raw_quarter(x_ptr, rows, chunks, stride_xm, 1, ok_a, WORDS)
+    r2 = _load_raw_quarter(x_ptr, rows, chunks, stride_xm, 2, ok_b, WORDS)
+    r3 = _load_raw_quarter(x_ptr, rows, chunks, stride_xm, 3, ok_b, WORDS)
+    return r0, r1, r2, r3
 
 
 @triton.jit
@@ -342,40 +425,60 @@ def _quantize_tile(
     x_ptr, data_ptr, scales_ptr,  # already offset to the tile's first row and column
     rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
-    EMULATE_FMA: tl.constexpr,
+    SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):
-    """Quantize one [BLOCK_M, BLOCK_K] tile. A thread holds chunks of 32 consecutive elements (two
-    blocks, A and B), loaded as four 8-element quarters of one layout, so that all 16 elements of
-    a block are in one thread (no cross-thread reduction) and the thread writes its chunk's 4 code
-    words (16 bytes) and 2 scale bytes with one store each.
+    """Quantize one [BLOCK_M, BLOCK_K] tile: :func:`_load_tile`, then :func:`_quantize_loaded`."""
+    r0, r1, r2, r3 = _load_tile(x_ptr, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, MASKED)
+    _quantize_loaded(r0, r1, r2, r3, data_ptr, scales_ptr, rows_left, nblocks_left, words_per_row,
+                     scales_per_row, g, x_ptr.dtype.element_ty == tl.bfloat16,
+                     BLOCK_M, BLOCK_K, MASKED, FAST, SM86, EMULATE_FMA)
+
+
+@triton.jit
+def _quantize_loaded(
+    r0, r1, r2, r3,  # the tile's quarters (:func:`_load_tile`)
+    data_ptr, scales_ptr,  # already offset to the tile's first row and column
+    rows_left, nblocks_left, words_per_row, scales_per_row, g, WORDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
+):
+    """Quantize one loaded [BLOCK_M, BLOCK_K] tile. A thread holds chunks of 32 consecutive
+    elements (two blocks, A and B), loaded as four 8-element quarters of one layout, so that all
+    16 elements of a block are in one thread (no cross-thread reduction) and the thread writes its
+    chunk's 4 code words (16 bytes) and 2 scale bytes with one store each.
     MASKED: the tile has rows past M or columns past K (only rows < rows_left and blocks <
     nblocks_left are valid); else no masks at all.
     bf16 is read as packed pairs (int32); compiled (not EMULATE_FMA), their block maxima and sign
     bits are computed two elements at a time with inline PTX (SM86+)."""
     NC: tl.constexpr = BLOCK_K // 32
-    WORDS: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     ASM: tl.constexpr = WORDS and not EMULATE_FMA
+    SHORT: tl.constexpr = r0.dtype != tl.float32  # bf16 (as int32 pairs) or fp16 elements
     rows = tl.arange(0, BLOCK_M)
     chunks = tl.arange(0, NC)
     row_ok = rows < rows_left
-    if MASKED:
-        ok_a = row_ok[:, None] & (chunks * 2 < nblocks_left)[None, :]  # [BM, NC]
-        ok_b = row_ok[:, None] & (chunks * 2 + 1 < nblocks_left)[None, :]
-    else:
-        ok_a = None
-        ok_b = None
-    lo0, hi0, w0 = _load_quarter(x_ptr, rows, chunks, stride_xm, 0, ok_a, WORDS, ASM)
-    lo1, hi1, w1 = _load_quarter(x_ptr, rows, chunks, stride_xm, 1, ok_a, WORDS, ASM)
-    lo2, hi2, w2 = _load_quarter(x_ptr, rows, chunks, stride_xm, 2, ok_b, WORDS, ASM)
-    lo3, hi3, w3 = _load_quarter(x_ptr, rows, chunks, stride_xm, 3, ok_b, WORDS, ASM)
+    lo0, hi0, w0 = _unpack_quarter(r0, WORDS, ASM)
+    lo1, hi1, w1 = _unpack_quarter(r1, WORDS, ASM)
+    lo2, hi2, w2 = _unpack_quarter(r2, WORDS, ASM)
+    lo3, hi3, w3 = _unpack_quarter(r3, WORDS, ASM)
     if ASM:
-        amax_a = bf16_absmax_asm(w0, w1)  # [BM, NC]
-        amax_b = bf16_absmax_asm(w2, w3)
+        amax_a = bf16_absmax_asm(w0, w1, SM86)  # [BM, NC]
+        amax_b = bf16_absmax_asm(w2, w3, SM86)
     else:
         amax_a = _absmax4(lo0, hi0, lo1, hi1)
         amax_b = _absmax4(lo2, hi2, lo3, hi3)
 
-    if FAST:
+    if FAST and SHORT:  # (a capped amax gives raw ~ 512, saturated to 448 either way)
+        six_g = g * 6.0
+        y6 = reciprocal_rn(six_g, EMULATE_FMA)
+        raw_cap = six_g * 512.0
+        d_a, s_a = nvfp4_block_scale(div_by_reciprocal(tl.minimum(amax_a, raw_cap), six_g, y6, EMULATE_FMA),
+                                     amax_a, g)
+        d_b, s_b = nvfp4_block_scale(div_by_reciprocal(tl.minimum(amax_b, raw_cap), six_g, y6, EMULATE_FMA),
+                                     amax_b, g)
+        y_a = reciprocal_rn(d_a, EMULATE_FMA)
+        y_b = reciprocal_rn(d_b, EMULATE_FMA)
+        ylo_a, ylo_b = y_a, y_b  # unused
+    elif FAST:
         six_g = g * 6.0
         y6, y6_lo = reciprocal_pair(six_g, EMULATE_FMA)
         raw_cap = six_g * 512.0
@@ -393,10 +496,25 @@ def _quantize_tile(
     cap_b = (d_b * 6.0)[:, :, None]
     da, ya, yla = d_a[:, :, None], y_a[:, :, None], ylo_a[:, :, None]
     db, yb, ylb = d_b[:, :, None], y_b[:, :, None], ylo_b[:, :, None]
-    q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, FAST, ASM, EMULATE_FMA)
-    q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, FAST, ASM, EMULATE_FMA)
-    q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, FAST, ASM, EMULATE_FMA)
-    q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, FAST, ASM, EMULATE_FMA)
+    # |x| / d reaches 7 only where the scale saturated at 448 or rounded far down in E4M3's subnormal
+    # range (a normal scale keeps amax / d <= 6 * (1 + 2**-4)): only programs holding such a block
+    # clamp every element (one per-program reduction instead of a minimum per element)
+    if FAST:
+        if tl.max(((amax_a > d_a * 6.5) | (amax_b > d_b * 6.5)).to(tl.int32)) != 0:
+            q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, True, SHORT, True, ASM, EMULATE_FMA)
+            q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, True, SHORT, True, ASM, EMULATE_FMA)
+            q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, True, SHORT, True, ASM, EMULATE_FMA)
+            q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, True, SHORT, True, ASM, EMULATE_FMA)
+        else:
+            q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, True, SHORT, False, ASM, EMULATE_FMA)
+            q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, True, SHORT, False, ASM, EMULATE_FMA)
+            q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, True, SHORT, False, ASM, EMULATE_FMA)
+            q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, True, SHORT, False, ASM, EMULATE_FMA)
+    else:
+        q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, False, SHORT, True, ASM, EMULATE_FMA)
+        q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, False, SHORT, True, ASM, EMULATE_FMA)
+        q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, False, SHORT, True, ASM, EMULATE_FMA)
+        q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, False, SHORT, True, ASM, EMULATE_FMA)
 
     # words [BM, NC, 4] in memory order: join(join(q0, q2), join(q1, q3))[..., k, i] = q_{2k+i}
     words = tl.reshape(tl.join(tl.join(q0, q2), tl.join(q1, q3)), (BLOCK_M, NC, 4))
@@ -424,7 +542,7 @@ def nvfp4_quantize_kernel(
     gs_out_ptr,  # [] fp32: receives g when DYNAMIC (untouched otherwise)
     M, K, stride_xm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    DYNAMIC: tl.constexpr, EMULATE_FMA: tl.constexpr,
+    DYNAMIC: tl.constexpr, SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):
     """Quantize x to NVFP4 (E2M1 codes, one E4M3 scale per 16 elements, an fp32 global scale g).
 
@@ -435,7 +553,8 @@ def nvfp4_quantize_kernel(
     element's code = e2m1(x / (fp32(scale) * g)).
     DYNAMIC: scale_ptr holds amax and every program derives the same g = amax / 2688 from it
     (a correctly rounded division, as ``fp4moe.quantize`` does on every device); program (0, 0)
-    stores g. EMULATE_FMA: exact fused multiply-adds for the interpreter.
+    stores g. SM86: the target has ``max.xorsign.abs.bf16x2`` (block maxima of bf16 in fewer
+    instructions). EMULATE_FMA: exact fused multiply-adds for the interpreter.
 
     Offsets inside a tile are int32; only the tile's base offset is int64. Tiles that end
     inside K, and all tiles when K is not a multiple of 32 (rows of codes then do not start on
@@ -444,12 +563,6 @@ def nvfp4_quantize_kernel(
     tl.static_assert(BLOCK_K % 32 == 0)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    g = tl.load(scale_ptr)
-    if DYNAMIC:  # g = amax / (6 * 448), 1.0 when amax is 0
-        g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)
-        if (pid_m == 0) & (pid_k == 0):
-            tl.store(gs_out_ptr, g)
-
     row0 = pid_m * BLOCK_M
     rows_left = M - row0
     nblocks_left = K // 16 - pid_k * (BLOCK_K // 16)
@@ -457,22 +570,48 @@ def nvfp4_quantize_kernel(
     scales_per_row = K // 16
     x_tile = x_ptr + row0.to(tl.int64) * stride_xm + pid_k * BLOCK_K
     full = (K % 32 == 0) & (nblocks_left >= BLOCK_K // 16) & (rows_left >= BLOCK_M)
-    # Fast path, all in the normal range: divisions by a reciprocal pair (2**-91 <= g <= 2**100).
-    if (g >= 4.0389678347315804e-28) & (g <= 1.2676506002282294e30):
-        if full:
-            words_per_row = tl.multiple_of(words_per_row, 4)  # K % 32 == 0: rows start on 16 bytes
-            scales_per_row = tl.multiple_of(scales_per_row, 2)
-            _quantize_tile(x_tile, data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
-                           scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16),
-                           rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
-                           BLOCK_M, BLOCK_K, False, True, EMULATE_FMA)
+    if full:
+        # the tile's loads go out before anything waits on g (one memory round trip per program, not two)
+        r0, r1, r2, r3 = _load_tile(x_tile, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, False)
+        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC)
+        words_per_row = tl.multiple_of(words_per_row, 4)  # K % 32 == 0: rows start on 16 bytes
+        scales_per_row = tl.multiple_of(scales_per_row, 2)
+        data_tile = data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8)
+        scales_tile = scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16)
+        # Fast path, all in the normal range: divisions by reciprocals (2**-91 <= g <= 2**100).
+        if _fast_range(g):
+            _quantize_loaded(r0, r1, r2, r3, data_tile, scales_tile, rows_left, nblocks_left, words_per_row,
+                             scales_per_row, g, x_ptr.dtype.element_ty == tl.bfloat16,
+                             BLOCK_M, BLOCK_K, False, True, SM86, EMULATE_FMA)
         else:
-            _quantize_tile(x_tile, data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
-                           scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16),
-                           rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
-                           BLOCK_M, BLOCK_K, True, True, EMULATE_FMA)
+            _quantize_loaded(r0, r1, r2, r3, data_tile, scales_tile, rows_left, nblocks_left, words_per_row,
+                             scales_per_row, g, x_ptr.dtype.element_ty == tl.bfloat16,
+                             BLOCK_M, BLOCK_K, False, False, SM86, EMULATE_FMA)
     else:
-        _quantize_tile(x_tile, data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
-                       scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16),
-                       rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
-                       BLOCK_M, BLOCK_K, True, False, EMULATE_FMA)
+        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC)
+        data_tile = data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8)
+        scales_tile = scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16)
+        if _fast_range(g):
+            _quantize_tile(x_tile, data_tile, scales_tile, rows_left, nblocks_left, stride_xm, words_per_row,
+                           scales_per_row, g, BLOCK_M, BLOCK_K, True, True, SM86, EMULATE_FMA)
+        else:
+            _quantize_tile(x_tile, data_tile, scales_tile, rows_left, nblocks_left, stride_xm, words_per_row,
+                           scales_per_row, g, BLOCK_M, BLOCK_K, True, False, SM86, EMULATE_FMA)
+
+
+@triton.jit
+def _global_scale(scale_ptr, gs_out_ptr, first, DYNAMIC: tl.constexpr):
+    """g from scale_ptr; DYNAMIC: scale_ptr holds amax, g = amax / (6 * 448) (correctly rounded),
+    1.0 when amax is 0, and the ``first`` program stores it to gs_out_ptr."""
+    g = tl.load(scale_ptr)
+    if DYNAMIC:
+        g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)
+        if first:
+            tl.store(gs_out_ptr, g)
+    return g
+
+
+@triton.jit
+def _fast_range(g):
+    """2**-91 <= g <= 2**100: the range where the divisions by reciprocals are exact (module docstring)."""
+    return (g >= 4.0389678347315804e-28) & (g <= 1.2676506002282294e30)

@@ -41,11 +41,13 @@ def _is_pow2(n: int) -> bool:
 
 @dataclass(frozen=True)
 class QuantizeConfig:
-    """One program's tile: ``block_m`` rows x ``block_k`` columns of x, run by ``num_warps`` warps."""
+    """One program's tile: ``block_m`` rows x ``block_k`` columns of x, run by ``num_warps`` warps,
+    compiled with at most ``maxnreg`` registers per thread (None: the compiler's choice)."""
 
     block_m: int
     block_k: int
     num_warps: int
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_m):
@@ -55,26 +57,37 @@ class QuantizeConfig:
                              f"got {self.block_k}")
         if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
             raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
+        if self.maxnreg is not None and not (isinstance(self.maxnreg, int) and 16 <= self.maxnreg <= 255):
+            raise ValueError(f"maxnreg: expected None or an int in [16, 255], got {self.maxnreg!r}")
 
     @classmethod
-    def from_heuristic(cls, M: int, K: int) -> QuantizeConfig:
-        """32 elements per thread (about 70 registers on SM90), as few rows as possible: one row of
-        1024 or 2048 columns, two rows of 512; narrower x (K < 512) in tiles of up to 2048
-        elements. H200, bf16 [16384, 6144] with a given scale (``scripts/sweep_quantize.py``,
-        benchmarks/raw/sweep-quantize-tiles-h200.json and -wide): [1, 2048] x 2 warps 81.6-82.3 us,
-        [1, 1024] x 1 82.1-82.7, [2, 512] x 1 85.5, [2, 1024] x 2 85.6, [4, 512] x 2 86.9,
-        [8, 512] x 4 91.8, [16, 512] x 8 102.5; 64 elements per thread 91-96 (register-limited
-        occupancy), 16 per thread 140 (half the lanes idle). From 512 columns on, the width wastes
-        the fewest columns past K (ties to the wider): K = 6144 takes 2048, K = 2880 1024 (3072
-        columns, not 4096), 5120 and 7168 1024."""
-        block_k = min(2048, triton.next_power_of_2(max(K, _CHUNK)))
+    def from_heuristic(cls, M: int, K: int, dtype: torch.dtype = torch.bfloat16) -> QuantizeConfig:
+        """1024 elements per program: one warp, 32 elements per thread, 64 registers at most for
+        bf16 x (the compiler's choice for fp16 and fp32, which spill 28 and 564 bytes at 64 on SM90).
+
+        One row of 1024 columns, or two rows of 512 when that wastes fewer columns past K (ties
+        to the wider: K = 6144, 2048 and 7168 take 1024, 1536 and 2560 take 512, 2880 takes 1024,
+        3072 columns rather than 3584); narrower x (K < 512) in tiles of up to 1024 elements.
+        Why (H200, bf16 [16384, 6144] with a given scale, ``scripts/sweep_quantize.py``):
+
+        * the kernel is bound by instruction issue, not memory: a kernel with its loads and stores
+          and no arithmetic runs at 97-99% of copy bandwidth, the quantizer at 74% before this
+          session's instruction cuts (benchmarks/raw/sweep-quantize-structure-h200.json);
+        * 32 elements per thread: 64 per thread is register-limited (91-96 us at the time), 16 per
+          thread leaves half the lanes idle (140 us);
+        * one warp: a program's check for blocks that need the per-element clamp is then a warp
+          reduction, without shared memory and a barrier; [1, 1024] x 1 warp 73.1-74.1 us, [1, 2048]
+          x 2 warps 74.2-81.2 us;
+        * 64 registers (bf16): the kernel compiles to 72, which fits 28 one-warp programs per SM; at
+          64 (an 8-byte spill) the SM's limit of 32 resident programs binds instead (73.1 us
+          against 74.1; at 48 it spills more: 106).
+        """
+        block_k = min(1024, triton.next_power_of_2(max(K, _CHUNK)))
         if block_k >= 512:
-            block_k = min((w for w in (2048, 1024, 512) if w <= block_k), key=lambda w: (-(-K // w) * w - K, -w))
-            block_m = min(triton.next_power_of_2(max(M, 1)), max(1, 1024 // block_k))
-        else:
-            block_m = min(triton.next_power_of_2(max(M, 1)), 2048 // block_k)
-        num_warps = max(1, min(8, block_m * block_k // 1024))
-        return cls(block_m=block_m, block_k=block_k, num_warps=num_warps)
+            block_k = min((1024, 512), key=lambda w: (-(-K // w) * w - K, -w))
+        block_m = min(triton.next_power_of_2(max(M, 1)), 1024 // block_k)
+        return cls(block_m=block_m, block_k=block_k, num_warps=max(1, block_m * block_k // 1024),
+                   maxnreg=64 if dtype == torch.bfloat16 else None)
 
 
 def quantize_activations_reference(x: torch.Tensor, global_scale: torch.Tensor | float | None = None) -> FP4Tensor:
@@ -152,8 +165,10 @@ def quantize_activations(
     if dynamic:
         gs = torch.ones((), dtype=torch.float32, device=x.device)  # the reference's value for empty x
     if M and K:
-        cfg = config or QuantizeConfig.from_heuristic(M, K)
+        cfg = config or QuantizeConfig.from_heuristic(M, K, x2.dtype)
         tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+        if cfg.maxnreg is not None and not _EMULATE_FMA:  # (a compile option; the interpreter has none)
+            tile["maxnreg"] = cfg.maxnreg
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             scale_in = gs
             if dynamic:
@@ -162,9 +177,10 @@ def quantize_activations(
                 absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
                 scale_in = amax_bits.view(torch.float32)
             grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
+            sm86 = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 6)
             nvfp4_quantize_kernel[grid](
                 x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
-                DYNAMIC=dynamic, EMULATE_FMA=_EMULATE_FMA, **tile)
+                DYNAMIC=dynamic, SM86=sm86, EMULATE_FMA=_EMULATE_FMA, **tile)
     return FP4Tensor(
         data=data.reshape(*lead, K // 2),
         scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),

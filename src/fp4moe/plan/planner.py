@@ -38,8 +38,9 @@ __all__ = ["HEURISTIC_TIE", "SPILL_LIMIT_BYTES", "PlanError", "PlanResult", "Ver
 #: Spilled bytes (stores + loads per thread, ``ptxas -v``) above which a configuration is rejected.
 #: Zero: a spill is local memory traffic inside the main loop of these kernels, every iteration,
 #: and there is always a smaller tile that keeps its registers. Where the SASS shows every spill
-#: outside the main loop (wgmma kernels, ``CompiledKernel.loop_spill_ops`` == 0: an epilogue's,
-#: once per tile) the configuration is kept and the spill reported.
+#: outside the loops (``CompiledKernel.loop_spill_ops`` == 0: a wgmma kernel's epilogue, once per
+#: tile; the loop-free quantizer's masked path under its register cap) the configuration is kept
+#: and the spill reported.
 SPILL_LIMIT_BYTES = 0
 
 #: The heuristic's configuration wins when its modelled time is within this factor of the best.

@@ -153,19 +153,24 @@ def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
 
 
 def loop_local_memory_ops(sass: str) -> int:
-    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) inside a wgmma kernel's
-    main loops, where they cost every iteration: the address ranges of the backward branches whose
-    body holds an HGMMA (a kernel with tile variants has one loop each), among the branches before
-    the kernel's final EXIT (ptxas places the mbarrier wait's retry blocks after it, and their
-    branches back into the body are not loops of their own). Spills outside them (a prologue's or
-    an epilogue's) run once per tile. Without such a branch (a loop unrolled completely), the range
-    from the first to the last HGMMA."""
+    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) inside a kernel's loops,
+    where they cost every iteration; spills outside them (a prologue's or an epilogue's, or any in a
+    kernel without loops, such as the quantizer) run once per program or tile.
+
+    Loops are the address ranges of backward branches before the kernel's final EXIT (ptxas places
+    the mbarrier wait's retry blocks, and the closing branch-to-self, after it: those are not loops
+    of their own). In a wgmma kernel only the loops whose body holds an HGMMA count (a kernel with
+    tile variants has one main loop each), and without such a branch (a loop unrolled completely)
+    the range from the first to the last HGMMA."""
     insns = _parse(sass)
-    hgmma = [addr for addr, _, op, _ in insns if op.startswith("HGMMA")]
-    if not hgmma:
+    if not insns:
         return 0
-    end = next((addr for addr, always, op, _ in insns if op == "EXIT" and always and addr > hgmma[-1]),
-               insns[-1][0])
+    hgmma = [addr for addr, _, op, _ in insns if op.startswith("HGMMA")]
+    exits = [addr for addr, always, op, _ in insns if op == "EXIT" and always]
+    if hgmma:
+        end = next((a for a in exits if a > hgmma[-1]), insns[-1][0])
+    else:
+        end = exits[-1] if exits else insns[-1][0]
     loops = []
     for addr, _, op, ops in insns:
         if op.startswith("BRA") and ops:
@@ -173,9 +178,9 @@ def loop_local_memory_ops(sass: str) -> int:
                 target = int(ops[-1].split()[-1], 16)
             except ValueError:
                 continue
-            if target <= addr <= end and any(target <= h <= addr for h in hgmma):
+            if target < addr <= end and (not hgmma or any(target <= h <= addr for h in hgmma)):
                 loops.append((target, addr))
-    if not loops:
+    if hgmma and not loops:
         loops = [(hgmma[0], hgmma[-1])]
     return sum(op.startswith(("STL", "LDL")) and any(lo <= addr <= hi for lo, hi in loops)
                for addr, _, op, _ in insns)

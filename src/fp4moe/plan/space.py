@@ -705,7 +705,10 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         from ..ops.quantize import QuantizeConfig
 
         self.check_problem(problem)
-        return QuantizeConfig.from_heuristic(problem.M, problem.K)
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[problem.x_dtype]
+        return QuantizeConfig.from_heuristic(problem.M, problem.K, dtype)
 
     def smem_model(self, config, problem: QuantizeProblem, arch: Arch) -> SmemBreakdown:
         self.check_config(config)
@@ -717,6 +720,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
                  "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32"}
         values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
+                  "SM86": arch.capability >= (8, 6),  # as the launcher sets it from the device
                   "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
                   "GS_BY_RECIPROCAL": True}  # CUDA's torch divides by a constant through its reciprocal
         signature, constexprs = {}, {}
@@ -729,7 +733,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         divisible = tuple(a for a in ("x_ptr", "data_ptr", "scales_ptr", "K", "stride_xm") if a in signature)
         return CompileRequest(kernel=f"{module}:{function}", signature=signature, constexprs=constexprs,
                               cc=arch.sm_version, num_warps=config.num_warps, num_stages=1,
-                              divisible_by_16=divisible)
+                              divisible_by_16=divisible, maxnreg=config.maxnreg)
 
     def expected_mma(self, problem: QuantizeProblem, arch: Arch) -> None:
         return None  # elementwise: no tensor cores

@@ -98,10 +98,12 @@ def _compile_one(req: dict) -> dict:
     # a wgmma reading A from registers must find them untouched until it retires (plan.sass)
     check_sass = any(m.startswith("wgmma") for m in mma)
     regs, spills, log, sass = _ptxas(ptx, req["cc"], sass=check_sass)
+    if spills and not check_sass:  # where the spills sit (plan.sass.loop_local_memory_ops)
+        sass = _ptxas(ptx, req["cc"], sass=True)[3]
     hazards = [" ".join(h) for h in wgmma_register_hazards(sass)] if check_sass else []
     return {"cc": req["cc"], "ok": True, "error": None, "shared": compiled.metadata.shared, "registers": regs,
             "spill_bytes": spills, "mma": list(mma), "ptxas_log": log[-2000:], "wgmma_hazards": hazards[:20],
-            "loop_spill_ops": loop_local_memory_ops(sass) if check_sass else None,
+            "loop_spill_ops": loop_local_memory_ops(sass) if sass else None,
             "smem_buffers": smem_buffers(compiled.asm.get("ttgir", "")),
             "compile_s": round(time.perf_counter() - start, 3)}
 
