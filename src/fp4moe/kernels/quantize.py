@@ -21,12 +21,19 @@ check and a branch) is out of the question, so in the fast path:
   whatever their last bits) keep r's granule 2**(e_d + e_q - 46) >= 2**-149, which
   ``2**-91 <= g <= 2**100`` guarantees (d in [2**-100, 2**109]); outside it the kernel uses
   ``div_rn`` throughout. The same division gives raw = amax_b / (6 g);
-* q is rounded to E2M1 with three float additions and two minimums (:func:`e2m1_magnitudes`);
+* bf16 and fp16 dividends (at most 11 significant bits) drop y_lo: q0 = RN(a y), then the same
+  correction, a product and two fused multiply-adds per element (:func:`div_by_reciprocal`,
+  ptxas' own ``div.rn`` sequence), checked exhaustively over every such significand and every
+  divisor significand; fp32 input keeps the pair;
+* q is rounded to E2M1 with three float additions and two minimums (:func:`e2m1_magnitudes`),
+  after |x| is clamped to 6 d to keep q below 7, only in programs holding a block where
+  amax / d can reach that (a saturated scale, or one rounded far down in E4M3's subnormal range);
 * a block's scale is rounded to E4M3 with one magic-number addition (:func:`e4m3_round`).
 
 Compiled for a GPU, bf16 input is read as int32 pairs and a few steps use inline PTX (SM80+):
-block maxima with ``max.bf16x2`` on the pairs' magnitudes (a comparison, exact), the sign bits
-gathered with byte permutes, and RN(1/d) as ptxas' own ``div.rn`` fast path (approximate
+block maxima with ``max.bf16x2`` on the pairs' magnitudes (a comparison, exact; on SM86+
+``max.xorsign.abs.bf16x2`` takes the magnitudes itself), the sign bits gathered with byte
+permutes, and RN(1/d) as ptxas' own ``div.rn`` fast path (approximate
 reciprocal, two Newton-Raphson steps) without its range check, which d in [2**-100, 2**109]
 never needs. The interpreter computes the same values with plain Triton (``EMULATE_FMA``).
 
