@@ -105,11 +105,12 @@ def structure_sweep(results, record, x, gs, want):
     data = torch.empty(M, K // 8, dtype=torch.int32, device="cuda")
     scales = torch.empty(M, K // 16, dtype=torch.uint8, device="cuda")
     gst = torch.as_tensor(gs, dtype=torch.float32, device="cuda").reshape(())
+    sm86 = torch.cuda.get_device_capability() >= (8, 6)
     for bk, nw in ((2048, 2), (1024, 1)):
         for reg in (None, 64, 56, 48):
             def launch(bk=bk, nw=nw, reg=reg):
                 qk.nvfp4_quantize_kernel[(M, K // bk)](x, data, scales, gst, gst, M, K, K, BLOCK_M=1, BLOCK_K=bk,
-                                                       DYNAMIC=False, EMULATE_FMA=False, SM86=True,
+                                                       DYNAMIC=False, EMULATE_FMA=False, SM86=sm86,
                                                        num_warps=nw, maxnreg=reg)
             launch()
             ok = torch.equal(data.view(torch.uint8), want.data) and torch.equal(scales, want.scales.view(torch.uint8))

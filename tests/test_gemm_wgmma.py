@@ -233,9 +233,10 @@ def test_wgmma_register_hazard_check():
 
 
 def test_loop_spill_count():
-    """Spill stores and loads count when they sit inside a loop whose body holds an HGMMA (the
-    backward branch's range, also before the first HGMMA of the body), not after it (an
-    epilogue's); without a branch, between the first and last HGMMA; none without HGMMA."""
+    """wgmma kernels: spill stores and loads count when they sit inside a loop whose body holds an
+    HGMMA (the backward branch's range, also before the first HGMMA of the body), not after it (an
+    epilogue's); without a branch, between the first and last HGMMA. Other kernels: all of them
+    when there is any backward branch, none without one (a branch to itself is not a loop)."""
     from fp4moe.plan.sass import loop_local_memory_ops
 
     epilogue = _SASS_LOOP % (0, "STL.64 [R1], R2")
@@ -249,6 +250,12 @@ def test_loop_spill_count():
     straight = "\n".join(line for line in inside.splitlines() if "BRA" not in line)
     assert loop_local_memory_ops(straight) == 1  # no loop: the first-to-last HGMMA range
     assert loop_local_memory_ops("        /*0000*/ STL [R1], R2 ;\n") == 0
+    plain_loop = "\n".join(line for line in epilogue.splitlines() if "HGMMA" not in line)
+    assert loop_local_memory_ops(plain_loop) == 1  # a loop: the spill after it counts too
+    loop_free = ("        /*0000*/ STL [R1], R2 ;\n        /*0010*/ @P0 BRA 0x30 ;\n        /*0020*/ LDL R2, [R1] ;\n"
+                 "        /*0030*/ EXIT ;\n        /*0040*/ BRA 0x40 ;\n")
+    assert loop_local_memory_ops(loop_free) == 0  # forward branch and the closing branch-to-self only
+    assert loop_local_memory_ops(loop_free.replace("BRA 0x30", "BRA 0x0")) == 2
 
 
 # the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and

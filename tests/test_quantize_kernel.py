@@ -141,11 +141,11 @@ CASES = [
     Case("ties", ties, m=8, k=64, dtype=torch.float32, global_scale=1.0),
     Case("ties-bf16", ties, m=8, k=64, global_scale=1.0),
     Case("near-boundaries", near_boundaries, m=32, k=256, dtype=torch.float32, global_scale=1.0),
-    # bf16/fp16 take the short division (kernels.quantize.div_by_reciprocal)
-    Case("near-boundaries-bf16", near_boundaries, m=32, k=256, global_scale=1.0),
-    Case("near-boundaries-fp16", lambda m, k, g: near_boundaries(m, k, g) * 2.0 ** -8, m=32, k=256,
+    # bf16/fp16 take the short division (kernels.quantize.div_by_reciprocal); rounded to 16 bits
+    # these land on the thresholds themselves (ties), test_short_dividends_near_thresholds near them
+    Case("ties-on-thresholds-bf16", near_boundaries, m=32, k=256, global_scale=1.0),
+    Case("ties-on-thresholds-fp16", lambda m, k, g: near_boundaries(m, k, g) * 2.0 ** -8, m=32, k=256,
          dtype=torch.float16, global_scale=1.0),  # (scaled into fp16's range)
-    Case("near-boundaries-bf16-dynamic", near_boundaries, m=32, k=256),
     # programs that need the per-element clamp (saturated or subnormal-scale blocks) next to ones that do not
     Case("mixed-saturation", lambda m, k, g: normal(m, k, g) * torch.logspace(-6, 4, m)[:, None], m=17, k=272,
          global_scale=1e-3),
@@ -172,6 +172,36 @@ def _global_scale(spec, device):
 def test_matches_reference(case: Case, device):
     x = case.make(case.m, case.k, _gen(len(case.name))).to(case.dtype).to(device)
     check(x, _global_scale(case.global_scale, device))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_short_dividends_near_thresholds(dtype, device):
+    """bf16/fp16 elements whose quotient x / d lies within a few fp32 ulps of an E2M1 threshold
+    without equalling it: a global scale g = RN(a / (t s)) nudged by -2..2 ulps for a value a of the
+    dtype, a threshold t and an E4M3 scale s; every block's anchor (its maximum) makes its scale
+    s * 2**e, and its elements are +-a * 2**e, so x / d = a / RN(s g) in every block."""
+    g = _gen(14 if dtype == torch.bfloat16 else 15)
+    thresholds = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    near = total = 0
+    for i in range(8):
+        t = thresholds[i % 7]
+        a = float(torch.empty(()).uniform_(0.5, 4.0, generator=g).to(dtype))
+        s = float(torch.empty(()).uniform_(0.5, 4.0, generator=g).to(torch.float8_e4m3fn))
+        gs = torch.tensor(a / (t * s), dtype=torch.float32)
+        for step in (-2, -1, 0, 1, 2):
+            gk = gs.clone()
+            for _ in range(abs(step)):
+                gk = torch.nextafter(gk, INF if step > 0 else ZERO)
+            exps = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0])
+            anchor = (6 * s * float(gk)) * torch.exp2(exps)  # block maxima: raw = anchor / (6 g) = s 2**e
+            elems = a * torch.exp2(exps)[:, None] * (torch.randint(0, 2, (5, 15), generator=g) * 2 - 1)
+            x = torch.cat([anchor[:, None], elems], 1).reshape(1, 80).to(dtype)
+            got = check(x.to(device), float(gk))
+            d = got.scales.cpu().float()[0, :, None] * gk  # fp32 products, as the kernel's d
+            q = x.float().abs()[0].reshape(5, 16)[:, 1:] / d
+            total += q.numel()
+            near += int(((q - t).abs() <= 4 * torch.finfo(torch.float32).eps * t).logical_and(q != t).sum())
+    assert near >= total // 2, (near, total)  # the construction really sits next to the thresholds
 
 
 # M = 0 (empty batch), 1 (decode), 3, 17 (not a multiple of any tile); K = 16 (one block),

@@ -33,9 +33,8 @@ check and a branch) is out of the question, so in the fast path:
 Compiled for a GPU, bf16 input is read as int32 pairs and a few steps use inline PTX (SM80+):
 block maxima with ``max.bf16x2`` on the pairs' magnitudes (a comparison, exact; on SM86+
 ``max.xorsign.abs.bf16x2`` takes the magnitudes itself), the sign bits gathered with byte
-permutes, and RN(1/d) as ptxas' own ``div.rn`` fast path (approximate
-reciprocal, two Newton-Raphson steps) without its range check, which d in [2**-100, 2**109]
-never needs. The interpreter computes the same values with plain Triton (``EMULATE_FMA``).
+permutes, and RN(1/d) from an approximate reciprocal and two Newton-Raphson steps without a
+range check, which d in [2**-100, 2**109] never needs. The interpreter computes the same values with plain Triton (``EMULATE_FMA``).
 
 The interpreter's ``tl.fma`` rounds twice, so there the kernels emulate an exact FMA in fp64
 (``EMULATE_FMA``) and the CPU tests run the very algorithm the GPU runs (the inline PTX aside,
@@ -121,10 +120,10 @@ def absmax_kernel(
 
 @triton.jit
 def reciprocal_rn_asm(d):
-    """RN(1 / d) for normal d whose reciprocal is normal: the fast path of ptxas' own ``div.rn``
-    expansion (an approximate reciprocal and two Newton-Raphson steps, the last one rounding
-    correctly), without its range check and branch to the slow path, which the kernel's range
-    (|d| in [2**-100, 2**110]) never needs."""
+    """RN(1 / d) for normal d whose reciprocal is normal: ``rcp.approx`` and two Newton-Raphson
+    steps, the last one rounding correctly (ptxas' ``div.rn`` takes one step and corrects the
+    quotient instead; the GPU sweep checks this reciprocal against 1 / d), without a range check
+    and branch to a slow path, which the kernel's range (|d| in [2**-100, 2**109]) never needs."""
     return tl.inline_asm_elementwise(
         """{
         .reg .f32 r, e;
@@ -456,7 +455,8 @@ def _quantize_loaded(
     MASKED: the tile has rows past M or columns past K (only rows < rows_left and blocks <
     nblocks_left are valid); else no masks at all.
     bf16 is read as packed pairs (int32); compiled (not EMULATE_FMA), their block maxima and sign
-    bits are computed two elements at a time with inline PTX (SM86+)."""
+    bits are computed two elements at a time with inline PTX (SM80+; SM86 selects the
+    ``max.xorsign.abs`` form of the maxima)."""
     NC: tl.constexpr = BLOCK_K // 32
     ASM: tl.constexpr = WORDS and not EMULATE_FMA
     SHORT: tl.constexpr = r0.dtype != tl.float32  # bf16 (as int32 pairs) or fp16 elements

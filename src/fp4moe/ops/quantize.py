@@ -66,8 +66,8 @@ class QuantizeConfig:
         bf16 x (the compiler's choice for fp16 and fp32, which spill 28 and 564 bytes at 64 on SM90).
 
         One row of 1024 columns, or two rows of 512 when that wastes fewer columns past K (ties
-        to the wider: K = 6144, 2048 and 7168 take 1024, 1536 and 2560 take 512, 2880 takes 1024,
-        3072 columns rather than 3584); narrower x (K < 512) in tiles of up to 1024 elements.
+        to the wider: K = 6144, 2048 and 7168 take 1024, 1536 and 2560 take 512, 2880 takes 1024:
+        both widths cover 3072 columns); narrower x (K < 512) in tiles of up to 1024 elements.
         Why (H200, bf16 [16384, 6144] with a given scale, ``scripts/sweep_quantize.py``):
 
         * the kernel is bound by instruction issue, not memory: a kernel with its loads and stores
@@ -79,7 +79,8 @@ class QuantizeConfig:
           reduction, without shared memory and a barrier; [1, 1024] x 1 warp 73.1-74.1 us, [1, 2048]
           x 2 warps 74.2-81.2 us;
         * 64 registers (bf16): the kernel compiles to 72, which fits 28 one-warp programs per SM; at
-          64 (an 8-byte spill) the SM's limit of 32 resident programs binds instead (73.1 us
+          64 (16 B of spill stores and loads, in the path for global scales outside the fast
+          range) the SM's limit of 32 resident programs binds instead (73.1 us
           against 74.1; at 48 it spills more: 106).
         """
         block_k = min(1024, triton.next_power_of_2(max(K, _CHUNK)))
@@ -167,8 +168,8 @@ def quantize_activations(
     if M and K:
         cfg = config or QuantizeConfig.from_heuristic(M, K, x2.dtype)
         tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-        if cfg.maxnreg is not None and not _EMULATE_FMA:  # (a compile option; the interpreter has none)
-            tile["maxnreg"] = cfg.maxnreg
+        # the register cap is for the quantize kernel (a compile option; the interpreter has none)
+        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not _EMULATE_FMA else {}
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             scale_in = gs
             if dynamic:
@@ -180,7 +181,7 @@ def quantize_activations(
             sm86 = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 6)
             nvfp4_quantize_kernel[grid](
                 x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
-                DYNAMIC=dynamic, SM86=sm86, EMULATE_FMA=_EMULATE_FMA, **tile)
+                DYNAMIC=dynamic, SM86=sm86, EMULATE_FMA=_EMULATE_FMA, **tile, **cap)
     return FP4Tensor(
         data=data.reshape(*lead, K // 2),
         scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),

@@ -31,7 +31,7 @@ from .crosscompile import CompiledKernel, CompileRequest, _from_json
 
 __all__ = ["FORMAT", "CompileCache", "default_cache_dir", "kernel_source_hash"]
 
-FORMAT = 2
+FORMAT = 3  # 3: loop_spill_ops for every kernel with spills (plan.sass), not only wgmma ones
 _KERNEL_PACKAGE = "fp4moe.kernels"
 
 

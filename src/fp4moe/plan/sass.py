@@ -153,37 +153,37 @@ def wgmma_register_hazards(sass: str) -> list[tuple[str, str, str]]:
 
 
 def loop_local_memory_ops(sass: str) -> int:
-    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) inside a kernel's loops,
-    where they cost every iteration; spills outside them (a prologue's or an epilogue's, or any in a
-    kernel without loops, such as the quantizer) run once per program or tile.
+    """Local-memory instructions (spill stores and loads, ``STL``/``LDL``) that may run every
+    iteration of a loop; spills outside the loops run once per tile or program.
 
-    Loops are the address ranges of backward branches before the kernel's final EXIT (ptxas places
-    the mbarrier wait's retry blocks, and the closing branch-to-self, after it: those are not loops
-    of their own). In a wgmma kernel only the loops whose body holds an HGMMA count (a kernel with
-    tile variants has one main loop each), and without such a branch (a loop unrolled completely)
-    the range from the first to the last HGMMA."""
+    wgmma kernels: the address ranges of the backward branches whose body holds an HGMMA, among the
+    branches before the kernel's final EXIT (ptxas places the mbarrier wait's retry blocks after
+    it, and their branches back into the body are not loops of their own); a kernel with tile
+    variants has one main loop each. Without such a branch (a loop unrolled completely), the range
+    from the first to the last HGMMA. Other kernels: every local-memory instruction when the kernel
+    has any backward branch at all (an address range would miss a loop laid out across an EXIT or a
+    subroutine), none when it has no loop (the quantizer; the planner bounds those spills by size,
+    ``planner.LOOP_FREE_SPILL_LIMIT_BYTES``)."""
     insns = _parse(sass)
     if not insns:
         return 0
+    local = [addr for addr, _, op, _ in insns if op.startswith(("STL", "LDL"))]
     hgmma = [addr for addr, _, op, _ in insns if op.startswith("HGMMA")]
-    exits = [addr for addr, always, op, _ in insns if op == "EXIT" and always]
-    if hgmma:
-        end = next((a for a in exits if a > hgmma[-1]), insns[-1][0])
-    else:
-        end = exits[-1] if exits else insns[-1][0]
-    loops = []
+    branches = []
     for addr, _, op, ops in insns:
         if op.startswith("BRA") and ops:
             try:
-                target = int(ops[-1].split()[-1], 16)
+                branches.append((int(ops[-1].split()[-1], 16), addr))
             except ValueError:
                 continue
-            if target < addr <= end and (not hgmma or any(target <= h <= addr for h in hgmma)):
-                loops.append((target, addr))
-    if hgmma and not loops:
+    if not hgmma:  # (a branch to itself is the closing trap after the last EXIT, not a loop)
+        return len(local) if any(target < addr for target, addr in branches) else 0
+    end = next((addr for addr, always, op, _ in insns if op == "EXIT" and always and addr > hgmma[-1]),
+               insns[-1][0])
+    loops = [(t, a) for t, a in branches if t < a <= end and any(t <= h <= a for h in hgmma)]
+    if not loops:
         loops = [(hgmma[0], hgmma[-1])]
-    return sum(op.startswith(("STL", "LDL")) and any(lo <= addr <= hi for lo, hi in loops)
-               for addr, _, op, _ in insns)
+    return sum(any(lo <= addr <= hi for lo, hi in loops) for addr in local)
 
 
 def count_hgmma(sass: str) -> int:
