@@ -29,6 +29,7 @@ from fp4moe.bench.timing import measure_copy_bandwidth, time_cuda_graph, warm_up
 from fp4moe.kernels import quantize as qk
 from fp4moe.kernels.quantize import reciprocal_rn_asm
 from fp4moe.ops import quantize as opq
+from fp4moe.ops.linear import device_arch
 from fp4moe.ops.quantize import QuantizeConfig, quantize_activations
 from fp4moe.quantize import nvfp4_global_scale
 
@@ -105,7 +106,7 @@ def structure_sweep(results, record, x, gs, want):
     data = torch.empty(M, K // 8, dtype=torch.int32, device="cuda")
     scales = torch.empty(M, K // 16, dtype=torch.uint8, device="cuda")
     gst = torch.as_tensor(gs, dtype=torch.float32, device="cuda").reshape(())
-    sm86 = torch.cuda.get_device_capability() >= (8, 6)
+    sm86 = device_arch(x.device).has_xorsign_abs_max
     for bk, nw in ((2048, 2), (1024, 1)):
         for reg in (None, 64, 56, 48):
             def launch(bk=bk, nw=nw, reg=reg):

@@ -104,7 +104,7 @@ def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
         # the planner's rule: no spill, or none inside a loop (and a few bytes at most without loops)
         assert r.spill_bytes is not None, f"{where}: {r.ptxas_log}"
         assert r.spill_bytes <= SPILL_LIMIT_BYTES or r.loop_spill_ops == 0, f"{where}: {r.ptxas_log}"
-        if r.spill_bytes and not any(m.startswith("wgmma") for m in r.mma):
+        if r.spill_bytes and not r.uses_wgmma:
             assert r.spill_bytes <= LOOP_FREE_SPILL_LIMIT_BYTES, f"{where}: {r.ptxas_log}"
         expectation = spec.expected_mma(problem, arch)
         if expectation is not None:

@@ -340,50 +340,37 @@ def test_e2m1_magnitudes_match_reference(device):
 
 
 @triton.jit
-def _div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr):
+def _div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, SHORT: tl.constexpr, EMULATE_FMA: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     a = tl.load(a_ptr + offs, mask=mask, other=1.0)
     d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-    y, y_lo = reciprocal_pair(d, EMULATE_FMA)
-    tl.store(out_ptr + offs, div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA), mask=mask)
+    if SHORT:
+        q = div_by_reciprocal(a, d, reciprocal_rn(d, EMULATE_FMA), EMULATE_FMA)
+    else:
+        y, y_lo = reciprocal_pair(d, EMULATE_FMA)
+        q = div_by_reciprocal_pair(a, d, y, y_lo, EMULATE_FMA)
+    tl.store(out_ptr + offs, q, mask=mask)
 
 
-@triton.jit
-def _short_div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, EMULATE_FMA: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    a = tl.load(a_ptr + offs, mask=mask, other=1.0)
-    d = tl.load(d_ptr + offs, mask=mask, other=1.0)
-    tl.store(out_ptr + offs, div_by_reciprocal(a, d, reciprocal_rn(d, EMULATE_FMA), EMULATE_FMA), mask=mask)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_short_division_is_correctly_rounded(dtype, device):
-    """div_by_reciprocal on bf16/fp16 dividends (a sample; scripts/sweep_quantize.py checks every
-    significand pair on the GPU), divisors crowding 1 and 2 across the kernel's range."""
-    g = _gen(10)
-    n = 1 << 18
-    sig = torch.cat([1 + torch.rand(n // 2, generator=g) ** 8, 2 - torch.rand(n // 2, generator=g) ** 8])
-    d = torch.ldexp(sig, torch.randint(-100, 100, (n,), generator=g)).float()
-    # quotients 0..7 with bf16/fp16 significands: a value of the dtype times d's power of two (exact)
-    a = (torch.rand(n, generator=g) * 7).to(dtype).float() * torch.ldexp(torch.ones(n), torch.frexp(d).exponent)
-    out = torch.empty(n, device=device)
-    _short_div_kernel[(triton.cdiv(n, 4096),)](a.to(device), d.to(device), out, n, BLOCK=4096,
-                                               EMULATE_FMA=_EMULATE_FMA)
-    assert torch.equal(out.cpu(), a / d)
-
-
-def test_division_by_reciprocal_pair_is_correctly_rounded(device):
+@pytest.mark.parametrize("dividend", ["fp32", "bf16", "fp16"])
+def test_divisions_are_correctly_rounded(dividend, device):
     """Quotients 0..7 for divisors whose significands crowd 1 and 2 (where q = RN(a / d) is hardest),
-    across the kernel's divisor range (2**-100 .. 2**109)."""
+    across the kernel's divisor range (2**-100 .. 2**109): any fp32 dividend through the reciprocal
+    pair, bf16/fp16 significands through the short division (a sample: scripts/sweep_quantize.py
+    checks every significand pair on the GPU)."""
     g = _gen(9)
     n = 1 << 18
     sig = torch.cat([1 + torch.rand(n // 2, generator=g) ** 8, 2 - torch.rand(n // 2, generator=g) ** 8])
     d = torch.ldexp(sig, torch.randint(-100, 108, (n,), generator=g)).float()
-    a = (torch.rand(n, generator=g) * 7 * d).float()
+    if dividend == "fp32":
+        a = (torch.rand(n, generator=g) * 7 * d).float()
+    else:  # a value of the dtype times d's power of two (exact)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dividend]
+        a = (torch.rand(n, generator=g) * 7).to(dtype).float() * torch.ldexp(torch.ones(n), torch.frexp(d).exponent)
     out = torch.empty(n, device=device)
-    _div_kernel[(triton.cdiv(n, 4096),)](a.to(device), d.to(device), out, n, BLOCK=4096, EMULATE_FMA=_EMULATE_FMA)
+    _div_kernel[(triton.cdiv(n, 4096),)](a.to(device), d.to(device), out, n, BLOCK=4096, SHORT=dividend != "fp32",
+                                         EMULATE_FMA=_EMULATE_FMA)
     assert torch.equal(out.cpu(), a / d)
 
 

@@ -114,6 +114,12 @@ class Arch:
         return max(1, min(limits))
 
     @property
+    def has_xorsign_abs_max(self) -> bool:
+        """PTX ``max.xorsign.abs`` on bf16x2 (the maximum of magnitudes in one instruction): sm_86
+        and newer (PTX ISA, ``max``)."""
+        return self.capability >= (8, 6)
+
+    @property
     def has_native_fp4(self) -> bool:
         """True where FP4 x FP4 block-scaled MMA runs on the tensor cores."""
         return self.fp4_mma != "none"

@@ -369,6 +369,20 @@ def _quarter_word(lo, hi, w, d, y, y_lo, cap, FAST: tl.constexpr, SHORT: tl.cons
 
 
 @triton.jit
+def _code_words(lo0, hi0, w0, lo1, hi1, w1, lo2, hi2, w2, lo3, hi3, w3,  # the chunks' quarters
+                da, ya, yla, cap_a, db, yb, ylb, cap_b,  # blocks A (quarters 0, 1) and B (2, 3)
+                FAST: tl.constexpr, SHORT: tl.constexpr, CAP: tl.constexpr, ASM: tl.constexpr,
+                EMULATE_FMA: tl.constexpr):
+    """The code words of a tile's chunks, [BM, NC, 4] in memory order (:func:`_quarter_word` each:
+    join(join(q0, q2), join(q1, q3))[..., k, i] = q_{2k+i})."""
+    q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, FAST, SHORT, CAP, ASM, EMULATE_FMA)
+    q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, FAST, SHORT, CAP, ASM, EMULATE_FMA)
+    q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, FAST, SHORT, CAP, ASM, EMULATE_FMA)
+    q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, FAST, SHORT, CAP, ASM, EMULATE_FMA)
+    return tl.reshape(tl.join(tl.join(q0, q2), tl.join(q1, q3)), (q0.shape[0], q0.shape[1], 4))
+
+
+@triton.jit
 def _load_raw_quarter(x_ptr, rows, chunks, stride_xm, QUARTER: tl.constexpr, mask, WORDS: tl.constexpr):
     """Elements 32 c + 8 QUARTER + 0..7 of the tile's rows as loaded: bf16 (WORDS) as packed pairs,
     int32 [BM, NC, 4] (one 16-byte load per thread and chunk); other dtypes as [BM, NC, 8]."""
@@ -508,23 +522,14 @@ def _quantize_loaded(
     # clamp every element (one per-program reduction instead of a minimum per element)
     if FAST:
         if tl.max(((amax_a > d_a * 6.5) | (amax_b > d_b * 6.5)).to(tl.int32)) != 0:
-            q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, True, SHORT, True, ASM, EMULATE_FMA)
-            q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, True, SHORT, True, ASM, EMULATE_FMA)
-            q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, True, SHORT, True, ASM, EMULATE_FMA)
-            q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, True, SHORT, True, ASM, EMULATE_FMA)
+            words = _code_words(lo0, hi0, w0, lo1, hi1, w1, lo2, hi2, w2, lo3, hi3, w3, da, ya, yla, cap_a,
+                                db, yb, ylb, cap_b, True, SHORT, True, ASM, EMULATE_FMA)
         else:
-            q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, True, SHORT, False, ASM, EMULATE_FMA)
-            q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, True, SHORT, False, ASM, EMULATE_FMA)
-            q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, True, SHORT, False, ASM, EMULATE_FMA)
-            q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, True, SHORT, False, ASM, EMULATE_FMA)
+            words = _code_words(lo0, hi0, w0, lo1, hi1, w1, lo2, hi2, w2, lo3, hi3, w3, da, ya, yla, cap_a,
+                                db, yb, ylb, cap_b, True, SHORT, False, ASM, EMULATE_FMA)
     else:
-        q0 = _quarter_word(lo0, hi0, w0, da, ya, yla, cap_a, False, SHORT, True, ASM, EMULATE_FMA)
-        q1 = _quarter_word(lo1, hi1, w1, da, ya, yla, cap_a, False, SHORT, True, ASM, EMULATE_FMA)
-        q2 = _quarter_word(lo2, hi2, w2, db, yb, ylb, cap_b, False, SHORT, True, ASM, EMULATE_FMA)
-        q3 = _quarter_word(lo3, hi3, w3, db, yb, ylb, cap_b, False, SHORT, True, ASM, EMULATE_FMA)
-
-    # words [BM, NC, 4] in memory order: join(join(q0, q2), join(q1, q3))[..., k, i] = q_{2k+i}
-    words = tl.reshape(tl.join(tl.join(q0, q2), tl.join(q1, q3)), (BLOCK_M, NC, 4))
+        words = _code_words(lo0, hi0, w0, lo1, hi1, w1, lo2, hi2, w2, lo3, hi3, w3, da, ya, yla, cap_a,
+                            db, yb, ylb, cap_b, False, SHORT, True, ASM, EMULATE_FMA)
     sbits = tl.join(s_a, s_b).to(tl.uint8)  # [BM, NC, 2]
     four = tl.arange(0, 4)
     two = tl.arange(0, 2)

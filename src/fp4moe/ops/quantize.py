@@ -24,6 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from ..formats import NVFP4
 from ..kernels.quantize import absmax_kernel, nvfp4_quantize_kernel
 from ..quantize import FP4Tensor, quantize
+from .linear import device_arch
 
 __all__ = ["QuantizeConfig", "quantize_activations", "quantize_activations_reference"]
 
@@ -178,7 +179,8 @@ def quantize_activations(
                 absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
                 scale_in = amax_bits.view(torch.float32)
             grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
-            sm86 = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 6)
+            arch = device_arch(x.device)
+            sm86 = arch is not None and arch.has_xorsign_abs_max
             nvfp4_quantize_kernel[grid](
                 x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
                 DYNAMIC=dynamic, SM86=sm86, EMULATE_FMA=_EMULATE_FMA, **tile, **cap)

@@ -59,8 +59,13 @@ class CompiledKernel:
     compile_s: float | None = None  # seconds the compilation took (not counting a cache hit)
     # SASS writes to registers an in-flight register-A wgmma still reads (plan.sass); wgmma kernels only
     wgmma_hazards: tuple[str, ...] = ()
-    # wgmma kernels: spill stores and loads inside the main loop (plan.sass); None where SASS was not read
+    # spill stores and loads inside loops (plan.sass.loop_local_memory_ops); None where SASS was not read
     loop_spill_ops: int | None = None
+
+    @property
+    def uses_wgmma(self) -> bool:
+        """A wgmma kernel: its SASS is read for register hazards and for where its main loops are."""
+        return any(m.startswith("wgmma") for m in self.mma)
 
 
 def mma_instructions(ptx: str) -> tuple[str, ...]:

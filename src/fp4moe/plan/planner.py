@@ -197,8 +197,7 @@ def _verdict_line(v: Verdict) -> str:
     if v.registers is not None:
         spilled = f"{v.spills or 0} B spilled"
         if v.spills and v.compiled is not None and v.compiled.loop_spill_ops == 0:
-            wgmma = any(m.startswith("wgmma") for m in v.compiled.mma)
-            spilled += " (outside the main loop)" if wgmma else " (no loop: once per thread)"
+            spilled += " (outside the main loop)" if v.compiled.uses_wgmma else " (no loop: once per thread)"
         parts.append(f"{v.registers} registers, {spilled}")
     if v.mma:
         parts.append(", ".join(v.mma))
@@ -249,11 +248,10 @@ def _compiled_verdict(spec: KernelSpec, v: Verdict, problem: Any, arch: Arch, gp
             reasons.append(f"compiled kernel needs {result.shared:,} B of shared memory, limit {v.smem_limit:,} B "
                            f"({arch.name}); the model said {v.smem.total:,} B: {v.smem.describe()}")
         if result.spill_bytes is not None and result.spill_bytes > SPILL_LIMIT_BYTES:
-            wgmma = any(m.startswith("wgmma") for m in result.mma)
             if result.loop_spill_ops != 0:
                 reasons.append(f"spills {result.spill_bytes:,} B to local memory ({result.registers} registers "
                                f"per thread; limit {SPILL_LIMIT_BYTES} B inside loops)")
-            elif not wgmma and result.spill_bytes > LOOP_FREE_SPILL_LIMIT_BYTES:
+            elif not result.uses_wgmma and result.spill_bytes > LOOP_FREE_SPILL_LIMIT_BYTES:
                 reasons.append(f"spills {result.spill_bytes:,} B to local memory ({result.registers} registers "
                                f"per thread; limit {LOOP_FREE_SPILL_LIMIT_BYTES} B for a kernel without loops)")
         if result.wgmma_hazards:

@@ -720,7 +720,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
                  "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32"}
         values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
-                  "SM86": arch.capability >= (8, 6),  # as the launcher sets it from the device
+                  "SM86": arch.has_xorsign_abs_max,  # as the launcher sets it from the device
                   "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
                   "GS_BY_RECIPROCAL": True}  # CUDA's torch divides by a constant through its reciprocal
         signature, constexprs = {}, {}
