@@ -19,7 +19,8 @@ from fp4moe.ops.dispatch import (
 
 FUSED = DispatchConfig(block_p=16, fused=True, num_warps=4)  # 16-pair chunks: several chunks per plan
 BLOCKS = DispatchConfig(block_p=16, fused=False, num_warps=4)  # 16-pair blocks: several programs
-CONFIGS = {"heuristic": None, "fused": FUSED, "blocks": BLOCKS}
+SMALL = DispatchConfig(block_p=512, fused=True, num_warps=4)  # every case's pairs in one vector: dispatch_small_kernel
+CONFIGS = {"heuristic": None, "fused": FUSED, "blocks": BLOCKS, "small": SMALL}
 
 PLAN_FIELDS = ("expert_counts", "expert_offsets", "sorted_token", "sorted_pair", "pair_row")
 TILE_FIELDS = ("tile_expert", "tile_start", "tile_end", "n_tiles")
@@ -214,11 +215,16 @@ def test_max_tiles_bound():
 
 
 def test_heuristic():
-    """The fused program up to 32 pairs, ~32 pairs per block above (the H200 sweep)."""
+    """One program with every pair in one vector up to 64 pairs, ~32 pairs per block above (the
+    H200 sweeps)."""
     assert DispatchConfig.from_heuristic(8, 256) == DispatchConfig(16, True, 4)  # decode: one launch
     assert DispatchConfig.from_heuristic(32, 128) == DispatchConfig(32, True, 4)
-    assert DispatchConfig.from_heuristic(32, 256) == DispatchConfig(32, True, 8)
+    assert DispatchConfig.from_heuristic(32, 256) == DispatchConfig(32, True, 4)
+    assert DispatchConfig.from_heuristic(64, 256) == DispatchConfig(64, True, 8)
+    assert DispatchConfig.from_heuristic(65, 256) == DispatchConfig(16, False, 4)
     assert DispatchConfig.from_heuristic(128, 256) == DispatchConfig(16, False, 4)
+    assert DispatchConfig.from_heuristic(16, 1024) == DispatchConfig(16, True, 8)
+    assert DispatchConfig.from_heuristic(16, 2048) == DispatchConfig(16, False, 4)  # 32K comparisons
     assert DispatchConfig.from_heuristic(2048, 256) == DispatchConfig(64, False, 4)
     assert DispatchConfig.from_heuristic(32768, 256) == DispatchConfig(128, False, 4)
 
@@ -232,7 +238,8 @@ def test_cross_compile_default_configs():
     from fp4moe.plan.crosscompile import cross_compile
 
     requests = []
-    for n_pairs, E in ((16, 256), (32768, 256), (32, 160), (512, 256)):  # fused, blocks, fused E=160, blocks
+    # one vector (up to 64 x 256 and 16 x 1024 comparisons), blocks
+    for n_pairs, E in ((16, 256), (32, 160), (64, 256), (16, 1024), (32768, 256), (512, 256)):
         cfg = DispatchConfig.from_heuristic(n_pairs, E)
         for cc in (80, 90, 120):
             requests += compile_requests(n_pairs, E, 8, 64, cfg, cc)

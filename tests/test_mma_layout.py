@@ -197,14 +197,15 @@ for cc, rb, kh, bm, mx, grouped in json.loads(sys.argv[1]):
            "stride_ym": "i32", "k_chunks_per_split": "i32"}
     cx = dict(RB=rb, WARPS=4, KH=kh, BLOCK_M=bm, MXFP4=mx, HAS_WG=not mx, HAS_BIAS=True, SPLIT_K=2, FOLD=256.0,
               DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), X_LAYOUT=L.x_layout(bm, kh, 4), EVEN_K=True,
-              GROUPED=grouped, GATHER=grouped)
+              GROUPED=grouped, GATHER=grouped, PDL=int(grouped and cc >= 90))
     sig.update({k: "constexpr" for k in cx})
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": 4})
     log = c.asm.get("ptxas_log", "") if hasattr(c, "asm") else ""
     spills = re.findall(r"(\d+) bytes spill", str(c.metadata))
     out.append({"cc": cc, "shared": c.metadata.shared, "mma": mma_instructions(c.asm["ptx"]),
-                "n_regs": getattr(c, "n_regs", None), "ldshared": c.asm["ptx"].count("ld.shared")})
+                "n_regs": getattr(c, "n_regs", None), "ldshared": c.asm["ptx"].count("ld.shared"),
+                "griddepcontrol": c.asm["ptx"].count("griddepcontrol"), "pdl": int(grouped and cc >= 90)})
 print(json.dumps(out))
 """
 
@@ -216,6 +217,8 @@ def test_cross_compiles_without_shared_memory():
     for r in run_compile_snippet(_COMPILE, cases):
         assert r["shared"] == 0 and r["ldshared"] == 0, r  # operands never go through shared memory
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
+        # the grouped (MoE chain) variant waits for the previous grid and lets the next one launch
+        assert r["griddepcontrol"] == (2 if r["pdl"] else 0), r
 
 
 _COMPILE_KW = r"""

@@ -240,3 +240,103 @@ def test_bias_and_shared_shapes_are_checked(device):
         fp4_moe_experts(x, w13, w2, ids, wts, w13_bias=torch.zeros(64, device=device, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"shared_out: expected shape \(3, 64\)"):
         fp4_moe_experts(x, w13, w2, ids, wts, shared_out=x[:2])
+
+
+@pytest.mark.parametrize("wg_mode,bias,shared,split", [(0, False, False, 1), (1, True, True, 1), (2, True, False, 3)])
+def test_partials_combine_equals_epilogue_then_combine(wg_mode, bias, shared, split, device):
+    """The decode path's fused GEMM 2 epilogue + combine (``launch_partials_combine``) gives bitwise
+    the result of the two kernels it replaces (``launch_partials_epilogue`` into fp32 pair rows, then
+    ``launch_combine``), dropped slots (id -1 and id E) included."""
+    from fp4moe.ops.dispatch import dispatch
+    from fp4moe.ops.moe import launch_combine, launch_partials_combine, launch_partials_epilogue
+
+    T, E, k, H = 5, 6, 3, 96
+    g = torch.Generator().manual_seed(wg_mode * 10 + split)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    ids[1, 2] = -1
+    ids[3, 0] = E
+    wts = torch.where(ids >= 0, torch.rand(T, k, generator=g), torch.zeros(()))
+    ids, wts = ids.to(device), wts.to(device)
+    w2 = fp4moe.quantize_stacked(torch.randn(E, H, 64, generator=g), "mxfp4" if wg_mode == 0 else "nvfp4")
+    if wg_mode == 2:
+        per_row = (w2.global_scale * torch.linspace(0.5, 2.0, H).reshape(1, H)).contiguous()
+        w2 = fp4moe.FP4Tensor(w2.data, w2.scales, per_row, w2.shape, "nvfp4")
+    w2 = w2.to(device)
+    b2 = torch.randn(E, H, generator=g).to(device=device, dtype=torch.bfloat16) if bias else None
+    sh = torch.randn(T, H, generator=g).to(device=device, dtype=torch.bfloat16) if shared else None
+    plan = dispatch(ids, E, 8)
+    part = torch.randn(split, T * k, H, generator=g).to(device)
+    pair_w = wts.reshape(-1).contiguous()
+
+    y_pair = torch.full((T * k, H), 1e30, device=device)  # dropped pairs' rows are never written
+    launch_partials_epilogue(part, w2, plan, y_pair, swiglu=0, interleaved=False, scatter=True, row_weight=pair_w,
+                             bias=b2)
+    two = launch_combine(y_pair, ids, k, sh, torch.empty(T, H, device=device, dtype=torch.bfloat16), E)
+    fused = launch_partials_combine(part, w2, plan, ids, pair_w, sh, b2,
+                                    torch.empty(T, H, device=device, dtype=torch.bfloat16))
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, two)
+
+
+_PDL_COMPILE = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4moe.kernels.moe import moe_combine_kernel, moe_partials_combine_kernel, moe_partials_epilogue_kernel
+from fp4moe.ops.dispatch import DispatchConfig, compile_requests as dispatch_requests
+from fp4moe.ops.routing import RoutingConfig, compile_requests as routing_requests
+from fp4moe.models import PRESETS
+import importlib
+
+out = []
+for cc in json.loads(sys.argv[1]):
+    pdl = int(cc >= 90)
+    reqs = dispatch_requests(16, 256, 8, 8, DispatchConfig.from_heuristic(16, 256), cc)
+    reqs += dispatch_requests(4096, 256, 8, 8, DispatchConfig.from_heuristic(4096, 256), cc)
+    glm = PRESETS["glm-5"]
+    reqs += routing_requests(glm.routing, glm.n_experts, RoutingConfig.from_heuristic(1, 256, 8), cc)
+    for r in reqs:
+        assert r.constexprs["PDL"] == pdl, (r.kernel, cc)
+        module, name = r.kernel.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        sig = dict(r.signature, **{k: "constexpr" for k in r.constexprs})
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=r.constexprs), target=GPUTarget("cuda", cc, 32),
+                           options={"num_warps": r.num_warps})
+        out.append([r.kernel, cc, pdl, c.asm["ptx"].count("griddepcontrol")])
+    p = "*fp32"
+    i = "*i32"
+    for fn, sig, cx in (
+        (moe_partials_combine_kernel,
+         {"part_ptr": p, "wg_ptr": p, "bias_ptr": "*bf16", "row_w_ptr": p, "ids_ptr": i, "pair_row_ptr": i,
+          "shared_ptr": "*bf16", "out_ptr": "*bf16", "R": "i32", "H": "i32", "E": "i32", "stride_ge": "i32",
+          "stride_be": "i32", "stride_sm": "i32", "stride_om": "i32"},
+         dict(TOP_K=8, SPLIT=1, BLOCK_H=32, WG_MODE=1, HAS_BIAS=False, HAS_SHARED=False, PDL=pdl)),
+        (moe_combine_kernel,
+         {"y_pair_ptr": p, "ids_ptr": i, "shared_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "E": "i32",
+          "stride_pm": "i32", "stride_sm": "i32", "stride_om": "i32"},
+         dict(TOP_K=8, BLOCK_H=1024, HAS_SHARED=False, PDL=pdl)),
+        (moe_partials_epilogue_kernel,
+         {"part_ptr": p, "wg_ptr": p, "bias_ptr": "*bf16", "row_out_ptr": i, "row_w_ptr": p, "tile_expert_ptr": i,
+          "tile_start_ptr": i, "tile_end_ptr": i, "out_ptr": "*bf16", "R": "i32", "N_w": "i32", "N_out": "i32",
+          "I_half": "i32", "stride_ge": "i32", "stride_be": "i32", "stride_om": "i32"},
+         dict(SPLIT=1, BLOCK_N=64, BLOCK_M=8, SWIGLU=1, INTERLEAVED=False, SCATTER=False, HAS_RW=0, WG_MODE=1,
+              HAS_BIAS=False, PDL=pdl)),
+    ):
+        sig = dict(sig, **{k: "constexpr" for k in cx})
+        c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
+                           options={"num_warps": 4})
+        out.append([fn.__name__, cc, pdl, c.asm["ptx"].count("griddepcontrol")])
+print(json.dumps(out))
+"""
+
+
+def test_chain_kernels_use_pdl_from_sm90():
+    """Every kernel of the MoE decode chain (routing, dispatch, the epilogues, the combine) waits for
+    the previous grid and lets the next launch (``griddepcontrol``) where the target has it, and
+    compiles without it before SM90 (the planner's requests ask what the launchers pass)."""
+    from layer_checks import run_compile_snippet
+
+    for name, cc, pdl, n in run_compile_snippet(_PDL_COMPILE, [80, 90]):
+        assert n == 2 * pdl, (name, cc, n)

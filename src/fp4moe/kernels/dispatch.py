@@ -9,8 +9,10 @@ The order is canonical, no atomics anywhere: a pair's row is
 i.e. sorted by expert, then token, then slot; every count is an integer sum, so the result is
 deterministic and equals the reference's stable sort.
 
-Two ways to get there:
-  * ``dispatch_fused_kernel``: one program does everything (small T*k, decode): one launch;
+Three ways to get there:
+  * ``dispatch_small_kernel``: one program, all pairs in one vector (decode): every position a
+    count over pairs ([BLOCK_P, BLOCK_P] comparisons), no scan;
+  * ``dispatch_fused_kernel``: one program does everything, BLOCK_P pairs at a time (one launch);
     its expert vectors are next_pow2(E) wide, the dropped pairs counted on the side.
   * ``dispatch_histogram_kernel`` -> ``dispatch_scan_kernel`` -> ``dispatch_tiles_kernel`` ->
     ``dispatch_scatter_kernel``: per-block histograms, their exclusive scan along the blocks,
@@ -23,6 +25,8 @@ Tile map: expert e with c_e pairs owns ceil(c_e / BLOCK_M) consecutive tiles; ti
 
 import triton
 import triton.language as tl
+
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -108,6 +112,7 @@ def dispatch_fused_kernel(
     n_tiles_ptr,  # [1] int32 out
     n_pairs, E, max_tiles,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (1,): the whole dispatch plan in one program (BLOCK_E >= E; the dropped pairs are
     counted apart from the experts' vector).
@@ -115,6 +120,7 @@ def dispatch_fused_kernel(
     Pass 1 counts each expert, BLOCK_P pairs at a time; pass 2 gives each pair its row:
     offsets[e] + pairs of e in earlier chunks (running ``seen``) + earlier pairs of e in its own
     chunk (a BLOCK_P x BLOCK_P comparison); pass 3 writes the tile map."""
+    pdl_enter(PDL)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, n_pairs, BLOCK_P):
         e, p_mask = _buckets(ids_ptr, p0 + tl.arange(0, BLOCK_P), n_pairs, E)
@@ -143,14 +149,64 @@ def dispatch_fused_kernel(
 
 
 @triton.jit
+def dispatch_small_kernel(
+    ids_ptr, counts_ptr, offsets_ptr, sorted_token_ptr, sorted_pair_ptr, pair_row_ptr,  # as dispatch_fused_kernel
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr, n_tiles_ptr,
+    n_pairs, E, max_tiles,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+):
+    """Grid (1,), n_pairs <= BLOCK_P (decode): ``dispatch_fused_kernel``'s plan with every position
+    a count over pairs, so the dependent chain is two [BLOCK_P, BLOCK_P] comparison sums instead of
+    the fused kernel's scans and one-hot gathers over the experts:
+
+        row(p)   = #{q : b_q < b_p} + #{q < p : b_q == b_p}      (b = bucket, dropped pairs = E)
+        tile(p)  = #{q : q starts a tile and row(q) < row(p)}    for p that starts a tile, i.e. a
+                   routed pair whose rank among its expert's pairs is a multiple of BLOCK_M
+        counts[e] = #{q : b_q == e},  offsets[e] = #{q : b_q < e}   ([BLOCK_P, BLOCK_E], off the chain)
+    """
+    pdl_enter(PDL)
+    lane = tl.arange(0, BLOCK_P)
+    e, p_mask = _buckets(ids_ptr, lane, n_pairs, E)
+    b = tl.where(p_mask, e, E + 1)  # lanes past n_pairs sort after every pair and count nowhere
+    routed = p_mask & (e < E)
+    same = b[None, :] == b[:, None]  # [p, q]
+    before = lane[None, :] < lane[:, None]
+    rank = tl.sum((same & before).to(tl.int32), axis=1)  # earlier pairs of p's bucket
+    first = tl.sum((b[None, :] < b[:, None]).to(tl.int32), axis=1)  # the bucket's first row
+    count = tl.sum(same.to(tl.int32), axis=1)
+    row = first + rank
+    _store_rows(sorted_token_ptr, sorted_pair_ptr, pair_row_ptr, lane, e, row, p_mask, E, TOP_K)
+
+    starts = routed & (rank % BLOCK_M == 0)
+    ti = tl.sum((starts[None, :] & (row[None, :] < row[:, None])).to(tl.int32), axis=1)
+    n_tiles = tl.sum(starts.to(tl.int32), axis=0)
+    tl.store(tile_expert_ptr + ti, e, mask=starts)
+    tl.store(tile_start_ptr + ti, row, mask=starts)
+    tl.store(tile_end_ptr + ti, tl.minimum(row + BLOCK_M, first + count), mask=starts)
+    unused = (lane >= n_tiles) & (lane < max_tiles)  # max_tiles <= n_pairs <= BLOCK_P
+    tl.store(tile_expert_ptr + lane, tl.full([BLOCK_P], -1, tl.int32), mask=unused)
+    tl.store(tile_start_ptr + lane, tl.full([BLOCK_P], -1, tl.int32), mask=unused)
+    tl.store(tile_end_ptr + lane, tl.full([BLOCK_P], -1, tl.int32), mask=unused)
+
+    cols = tl.arange(0, BLOCK_E)
+    counts = tl.sum((b[:, None] == cols[None, :]).to(tl.int32), axis=0)
+    offsets = tl.sum((b[:, None] < cols[None, :]).to(tl.int32), axis=0)
+    _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, tl.sum(routed.to(tl.int32), axis=0),
+                        n_tiles, E)
+
+
+@triton.jit
 def dispatch_histogram_kernel(
     ids_ptr,  # [n_pairs] int32
     hist_ptr,  # [n_blocks, BLOCK_E] int32 out: pairs per bucket in each block of BLOCK_P pairs
     n_pairs, E,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (n_blocks,): one program counts the buckets of pairs [pid*BLOCK_P, (pid+1)*BLOCK_P),
     BLOCK_Q pairs at a time."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     counts = tl.zeros([BLOCK_E], tl.int32)
     for q0 in range(0, BLOCK_P, BLOCK_Q):
@@ -165,9 +221,11 @@ def dispatch_scan_kernel(
     bucket_counts_ptr,  # [BLOCK_E] int32 out: pairs per bucket
     n_blocks,
     BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (BLOCK_E // BLOCK_C,): one program scans buckets [pid*BLOCK_C, (pid+1)*BLOCK_C) over
     all blocks, BLOCK_B blocks at a time, so hist[b, e] becomes the pairs of e in blocks < b."""
+    pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     carry = tl.zeros([BLOCK_C], tl.int32)
     for b0 in range(0, n_blocks, BLOCK_B):
@@ -188,10 +246,12 @@ def dispatch_tiles_kernel(
     n_tiles_out_ptr,  # [1] int32 out: valid tiles
     n_buckets, E, max_tiles,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr, STORE_TABLE: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (max(1, cdiv(max_tiles, BLOCK_I)),): every program derives offsets and tile counts
     from the bucket counts (cheap: one [BLOCK_E] scan); program 0 stores them (STORE_TABLE) and
     the tile count; each program writes tiles [pid*BLOCK_I, (pid+1)*BLOCK_I)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     counts = tl.load(bucket_counts_ptr + cols, mask=cols < n_buckets, other=0)
@@ -214,10 +274,12 @@ def dispatch_scatter_kernel(
     sorted_token_ptr, sorted_pair_ptr, pair_row_ptr,  # [n_pairs] int32 out
     n_pairs, E,
     TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (n_blocks,): one program places pairs [pid*BLOCK_P, (pid+1)*BLOCK_P): row =
     offsets[e] + pairs of e in earlier blocks + earlier pairs of e in this block (compared
     BLOCK_Q at a time)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     p0 = pid * BLOCK_P
     lane = tl.arange(0, BLOCK_P)

@@ -97,6 +97,14 @@ def _arange4(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.conste
 
 
 @gluon.jit
+def _pdl_enter():
+    """``kernels.pdl.pdl_enter`` for Gluon kernels: wait for the previous grid, then let the next launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
 def _decode_words(w, s, WORD_AXIS: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
     """Packed words [..., 4] (``WORD_AXIS`` the last) and their scale pairs [...] -> the 8 bf16
     fragment values of every word, [..., 4, i0, i1, i2] (``DECODE``'s nibble order)."""
@@ -160,6 +168,7 @@ def fp4_linear_mma_kernel(
     EVEN_K: gl.constexpr,  # K_X == K (no padding along K)
     GROUPED: gl.constexpr,  # axis 1 runs over the tiles of an MoE dispatch plan (one expert each)
     GATHER: gl.constexpr,  # GROUPED: x rows through row_x_ptr (tokens), else the sorted rows themselves
+    PDL: gl.constexpr,  # programmatic dependent launch: wait for the previous grid before any load (kernels.pdl)
 ):
     BLOCK_N: gl.constexpr = 16 * RB * WARPS
     BLOCK_K: gl.constexpr = 64 * KH
@@ -175,6 +184,8 @@ def fp4_linear_mma_kernel(
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
     x_layout: gl.constexpr = X_LAYOUT
 
+    if PDL:
+        _pdl_enter()
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)
@@ -341,9 +352,7 @@ def fp4_linear_mma_kw_kernel(
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
     if PDL != 0:  # nothing the previous kernel writes (x, y's memory) is touched before it completes
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        _pdl_enter()
     if PDL != 2:
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)

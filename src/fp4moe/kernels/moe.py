@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import decode_fp4_tile, decode_fp4_tile_fast
+from .pdl import pdl_enter
 
 #: gpt-oss's clamped SwiGLU, clamp(g, max=LIMIT) * sigmoid(ALPHA g) * (clamp(u, -LIMIT, LIMIT) + 1): the
 #: one definition (the reference in ops.moe and the wgmma kernel's constexprs read these)
@@ -175,10 +176,12 @@ def moe_partials_epilogue_kernel(
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SWIGLU: tl.constexpr,
     INTERLEAVED: tl.constexpr, SCATTER: tl.constexpr, HAS_RW: tl.constexpr, WG_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (cdiv(N_out, BLOCK_N), max_tiles): the epilogue of ``moe_gemm_kernel`` (globals, bias,
     activation, routing weight, scatter) on partial sums another kernel wrote, added in split
     order (deterministic). Programs of unused tiles return at once."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     e = tl.load(tile_expert_ptr + pid_t)
@@ -256,6 +259,53 @@ def _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows,
 
 
 @triton.jit
+def moe_partials_combine_kernel(
+    part_ptr,  # [SPLIT, R, H] fp32 partial sums of W_e @ h^T per sorted row (GEMM 2 of kernels.linear_mma, grouped)
+    wg_ptr, bias_ptr,  # GEMM 2's weight globals and bias, as moe_gemm_kernel
+    row_w_ptr,  # [T * TOP_K] fp32 routing weight of each pair
+    ids_ptr,  # [T, TOP_K] int32 expert ids; ids outside [0, E) are dropped slots (skipped)
+    pair_row_ptr,  # [T * TOP_K] int32 sorted row of each pair (the dispatch plan's pair_row)
+    shared_ptr,  # [T, H] shared-expert output (HAS_SHARED) or unused
+    out_ptr,  # [T, H]
+    R, H, E, stride_ge, stride_be, stride_sm, stride_om,
+    TOP_K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, WG_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+):
+    """Grid (T, cdiv(H, BLOCK_H)): ``moe_partials_epilogue_kernel`` for GEMM 2 (globals, bias,
+    routing weight) and ``moe_combine_kernel`` in one pass, so the per-pair rows never leave the
+    registers: each pair's value is rounded as the two kernels round it (fp32 pair rows) and the
+    token's TOP_K values are added in slot order, then the shared expert."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    # no branch per slot: the slots' loads are all in flight at once (a branch would serialise
+    # TOP_K memory round trips); a dropped slot reads nothing and adds 0, as moe_combine_kernel
+    for s in tl.static_range(TOP_K):
+        p = t * TOP_K + s
+        e = tl.load(ids_ptr + p)
+        kept = (e >= 0) & (e < E)
+        e = tl.where(kept, e, 0).to(tl.int64)
+        row = tl.load(pair_row_ptr + p, mask=kept, other=0).to(tl.int64)
+        m = mask & kept
+        g = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):  # K splits in order, as moe_partials_epilogue_kernel
+            g += tl.load(part_ptr + (sp * R + row) * H + cols, mask=m, other=0.0)
+        if WG_MODE == 1:
+            g = g * tl.load(wg_ptr + e, mask=kept, other=0.0)
+        if WG_MODE == 2:
+            g = g * tl.load(wg_ptr + e * stride_ge + cols, mask=m, other=0.0)
+        if HAS_BIAS:
+            g += tl.load(bias_ptr + e * stride_be + cols, mask=m, other=0.0).to(tl.float32)
+        acc += g * tl.load(row_w_ptr + p, mask=kept, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t.to(tl.int64) * stride_sm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def moe_combine_kernel(
     y_pair_ptr,  # [T * TOP_K, H] per-pair outputs (routing weight applied), row t * TOP_K + slot
     ids_ptr,  # [T, TOP_K] int32 expert ids; ids outside [0, E) are dropped slots (never computed, skipped)
@@ -263,9 +313,11 @@ def moe_combine_kernel(
     out_ptr,  # [T, H]
     H, E, stride_pm, stride_sm, stride_om,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, HAS_SHARED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (T, cdiv(H, BLOCK_H)). One program sums the TOP_K rows of one token in slot order
     (deterministic: the same input gives bitwise the same output), plus the shared expert."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H

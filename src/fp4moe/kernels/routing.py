@@ -16,6 +16,8 @@ compiles with ``enable_fp_fusion=False`` (no FMA contraction) and ``enable_refle
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enter
+
 KIND_SOFTMAX = tl.constexpr(0)
 KIND_SIGMOID_BIAS = tl.constexpr(1)
 KIND_GPT_OSS = tl.constexpr(2)
@@ -75,15 +77,30 @@ def exp_f32_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _pick(sel, val, avail, cols):
+def _select_keys(sel, cols):
+    """int64 keys that order [BLOCK_T, BLOCK_E] candidates as ``_pick`` chooses them: the fp32
+    ``sel`` in the high word (its bits made monotonic as signed integers; -0 and +0 both 0, since
+    they compare equal), BLOCK_E - 1 - id in the low word, so that one integer max finds the
+    largest ``sel`` and, among equal ones, the lowest id. ``sel`` holds no NaN."""
+    BLOCK_E: tl.constexpr = sel.shape[1]
+    bits = tl.where(sel == 0.0, 0, sel.to(tl.int32, bitcast=True))
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    low = (-cols + (BLOCK_E - 1)).to(tl.int64)  # tensor first (the interpreter fails on constexpr - tensor then [None, :])
+    return (ordered.to(tl.int64) << 32) | low[None, :]
+
+
+@triton.jit
+def _pick(key, val, avail, cols):
     """One selection round over [BLOCK_T, BLOCK_E] tiles: the available expert with the largest
-    ``sel`` (lowest id among equals). Returns (idx [BLOCK_T], its ``val`` (0 if none), found,
-    avail without it); idx is BLOCK_E where no expert is available."""
-    BIG: tl.constexpr = sel.shape[1]
-    m = tl.max(tl.where(avail, sel, float("-inf")), axis=1)
-    hit = avail & (sel == m[:, None])
-    idx = tl.min(tl.where(hit, cols[None, :], BIG), axis=1)
-    found = idx < BIG
+    ``sel`` (lowest id among equals), found by one max over ``_select_keys`` (the chain of a
+    token's top-k is one reduction per round; its value's reduction is off that chain). Returns
+    (idx [BLOCK_T], its ``val`` (0 if none), found, avail without it); idx is BLOCK_E where no
+    expert is available."""
+    BLOCK_E: tl.constexpr = key.shape[1]
+    NONE: tl.constexpr = -9223372036854775808  # below every key (an available sel is finite)
+    m = tl.max(tl.where(avail, key, NONE), axis=1)
+    found = m != NONE
+    idx = tl.where(found, -(m & 0xFFFFFFFF).to(tl.int32) + (BLOCK_E - 1), BLOCK_E)
     chosen = cols[None, :] == idx[:, None]
     v = tl.max(tl.where(chosen, val, float("-inf")), axis=1)
     v = tl.where(found, v, 0.0)
@@ -137,6 +154,7 @@ def routing_kernel(
     KIND: tl.constexpr, PASS: tl.constexpr, TOP_K: tl.constexpr, K0: tl.constexpr,
     RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
     """Grid (cdiv(T, BLOCK_T),); one program routes tokens [pid*BLOCK_T, (pid+1)*BLOCK_T).
 
@@ -148,6 +166,7 @@ def routing_kernel(
     """
     tl.static_assert(BLOCK_K >= TOP_K)
     tl.static_assert(K0 <= TOP_K)
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -186,10 +205,11 @@ def routing_kernel(
     if N_GROUP > 1:
         elig = _group_mask(sel, elig, cols, gsize, N_GROUP, TOPK_GROUP, BLOCK_G)
 
+    key = _select_keys(sel, cols)
     if PASS == PASS_OEA_MARK:
         avail = elig
         for j in range(K0):
-            idx, v, found, avail = _pick(sel, val, avail, cols)
+            idx, v, found, avail = _pick(key, val, avail, cols)
             tl.store(active_ptr + idx, tl.full([BLOCK_T], 1, tl.int32), mask=t_mask & found)
     else:
         kcols = tl.arange(0, BLOCK_K)
@@ -198,7 +218,7 @@ def routing_kernel(
         mass = tl.zeros([BLOCK_T], tl.float32)  # sum of the chosen vals, in slot order
         avail = elig
         for j in range(K0):  # the launcher passes K0 = TOP_K for PASS_EXACT
-            idx, v, found, avail = _pick(sel, val, avail, cols)
+            idx, v, found, avail = _pick(key, val, avail, cols)
             slot = (kcols[None, :] == j) & found[:, None]
             ids_t = tl.where(slot, idx[:, None], ids_t)
             vals_t = tl.where(slot, v[:, None], vals_t)
@@ -207,7 +227,7 @@ def routing_kernel(
             active = tl.load(active_ptr + cols, mask=c_mask, other=0) > 0
             avail = avail & active[None, :]
             for j in range(K0, TOP_K):
-                idx, v, found, avail = _pick(sel, val, avail, cols)
+                idx, v, found, avail = _pick(key, val, avail, cols)
                 slot = (kcols[None, :] == j) & found[:, None]
                 ids_t = tl.where(slot, idx[:, None], ids_t)
                 vals_t = tl.where(slot, v[:, None], vals_t)
@@ -216,7 +236,7 @@ def routing_kernel(
             exact_avail = elig
             exact_mass = tl.zeros([BLOCK_T], tl.float32)
             for j in range(TOP_K):
-                idx, v, found, exact_avail = _pick(sel, val, exact_avail, cols)
+                idx, v, found, exact_avail = _pick(key, val, exact_avail, cols)
                 exact_mass = exact_mass + v
                 tl.store(exact_ptr + idx, tl.full([BLOCK_T], 1, tl.int32), mask=t_mask & found)
             kept = tl.math.div_rn(mass, exact_mass)

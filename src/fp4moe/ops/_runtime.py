@@ -73,3 +73,21 @@ def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> N
                 f"{name}: MXFP4 scale exponents span {lo - 127}..{hi - 127} (biased {lo}..{hi}); fp4moe decodes "
                 f"{a - 127}..{b - 127} exactly with {dtype} activations. Rescale the weights (move a power of two "
                 f"into the layer's output) or use NVFP4")
+
+
+def pdl_enabled(device: torch.device) -> int:
+    """1 when the kernels of a launch chain on ``device`` use programmatic dependent launch
+    (``kernels.pdl``): compiled CUDA on an architecture with ``griddepcontrol`` (``Arch.has_pdl``),
+    unless ``FP4MOE_PDL=0`` (for measuring what it saves); else 0. The launcher passes the result
+    as both the kernel's ``PDL`` constexpr and ``launch_pdl``."""
+    if device.type != "cuda" or interpreting() or os.environ.get("FP4MOE_PDL", "1") == "0":
+        return 0
+    from ..arch import arch_for_capability
+
+    return int(arch_for_capability(torch.cuda.get_device_capability(device)).has_pdl)
+
+
+def pdl_kwargs(device: torch.device) -> dict:
+    """A chain kernel's launch arguments for ``pdl_enabled``: the ``PDL`` constexpr and ``launch_pdl``."""
+    pdl = pdl_enabled(device)
+    return {"PDL": pdl, "launch_pdl": bool(pdl)}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from ._runtime import interpreting
+from ._runtime import interpreting, pdl_kwargs
 
 __all__ = ["DispatchConfig", "DispatchPlan", "TileMap", "dispatch", "dispatch_reference", "launch_dispatch",
            "launch_tile_map", "max_tiles", "tile_map", "tile_map_reference", "compile_requests"]
@@ -48,8 +48,9 @@ def max_tiles(n_pairs: int, n_experts: int, block_m: int) -> int:
 
 @dataclass(frozen=True)
 class DispatchConfig:
-    """``fused``: one program builds the whole plan (one launch; small T*k). Otherwise blocks of
-    ``block_p`` pairs per program. ``num_warps`` for every launch."""
+    """``fused``: one program builds the whole plan (one launch; small T*k): all pairs in one vector
+    when they fit ``block_p`` (``dispatch_small_kernel``), else ``block_p`` at a time. Otherwise
+    blocks of ``block_p`` pairs per program. ``num_warps`` for every launch."""
 
     block_p: int
     fused: bool
@@ -66,15 +67,18 @@ class DispatchConfig:
 
     @staticmethod
     def from_heuristic(n_pairs: int, n_experts: int) -> DispatchConfig:
-        """H200 sweep (scripts/sweep_dispatch.py, E = 128 and 256, k = 8): the fused program is
-        fastest up to 32 pairs (T <= 4; 5-7 us against ~10 us for the four block launches), but
-        its sequential [block_p, next_pow2(E)] chunks grow with the pairs (26 us at 128 pairs, 77
-        at 512), while the block kernels stay at 10-13 us up to 2,048 pairs with ~32 pairs per
-        block (16..128). Fused: 4 warps up to 4K comparisons per chunk, else 8 (no spills)."""
-        block_e = _next_pow2(n_experts)
-        if n_pairs <= 32 and block_e <= 2048:
-            block_p = max(16, _next_pow2(n_pairs))  # 8 warps past 4K comparisons (4 spill at 32 x 256)
-            return DispatchConfig(block_p=block_p, fused=True, num_warps=4 if block_p * block_e <= 4096 else 8)
+        """One program with all pairs in one vector (``dispatch_small_kernel``) up to 64 pairs, else
+        blocks of ~32 pairs. H200, E = 256, k = 8, with PDL (scripts/sweep_chain.py,
+        benchmarks/raw/sweep-chain-h200.json): the one-vector program takes 1.4-1.9 us up to 32
+        pairs (the earlier chunked program 4.7-7.2 us) and 4.4 us at 64 (the four block launches
+        8.2 us), but 28-54 us at 128 pairs, whose [128, 128] and [128, 256] comparisons swamp one
+        program; the block kernels stay at 8-13 us up to 2,048 pairs (scripts/sweep_dispatch.py,
+        16..128 pairs per block). At most 16K pair x expert comparisons (64 x 256, 16 x 1024), 4
+        warps up to 8K, else 8 (no spills)."""
+        block_e = max(16, _next_pow2(n_experts))
+        block_p = max(16, _next_pow2(n_pairs))
+        if n_pairs <= 64 and block_p * block_e <= 16384:
+            return DispatchConfig(block_p=block_p, fused=True, num_warps=4 if block_p * block_e <= 8192 else 8)
         return DispatchConfig(block_p=max(16, min(128, _next_pow2(-(-n_pairs // 32)))), fused=False, num_warps=4)
 
     @staticmethod
@@ -232,6 +236,7 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
         dispatch_histogram_kernel,
         dispatch_scan_kernel,
         dispatch_scatter_kernel,
+        dispatch_small_kernel,
         dispatch_tiles_kernel,
     )
 
@@ -244,10 +249,15 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
     t_expert, t_start, t_end = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32)
     n_tiles = torch.empty(1, **i32)
     w = config.num_warps
-    if config.fused:
+    pdl = pdl_kwargs(dev)
+    if config.fused and n <= config.block_p:
+        dispatch_small_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
+                                    t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
+                                    BLOCK_P=config.block_p, BLOCK_E=max(16, _next_pow2(E)), num_warps=w, **pdl)
+    elif config.fused:
         dispatch_fused_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
                                     t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
-                                    BLOCK_P=config.block_p, BLOCK_E=max(16, _next_pow2(E)), num_warps=w)
+                                    BLOCK_P=config.block_p, BLOCK_E=max(16, _next_pow2(E)), num_warps=w, **pdl)
     else:
         block_e = max(16, _next_pow2(E + 1))  # bucket E: dropped pairs
         n_blocks = triton.cdiv(n, config.block_p)
@@ -255,17 +265,17 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
         bucket_counts = torch.empty(block_e, **i32)
         block_q = _block_q(config.block_p, block_e)
         dispatch_histogram_kernel[(n_blocks,)](ids, hist, n, E, BLOCK_P=config.block_p, BLOCK_Q=block_q,
-                                               BLOCK_E=block_e, num_warps=w)
+                                               BLOCK_E=block_e, num_warps=w, **pdl)
         block_c = min(block_e, 64)
         dispatch_scan_kernel[(block_e // block_c,)](hist, bucket_counts, n_blocks, BLOCK_E=block_e, BLOCK_B=16,
-                                                    BLOCK_C=block_c, num_warps=w)
+                                                    BLOCK_C=block_c, num_warps=w, **pdl)
         block_i = _block_i(block_e)
         dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
             bucket_counts, counts, offsets, n_tiles, t_expert, t_start, t_end, n_tiles, block_e, E, n_max,
-            BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w)
+            BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w, **pdl)
         dispatch_scatter_kernel[(n_blocks,)](ids, hist, offsets, sorted_token, sorted_pair, pair_row, n, E,
                                              TOP_K=top_k, BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p),
-                                             BLOCK_E=block_e, num_warps=w)
+                                             BLOCK_E=block_e, num_warps=w, **pdl)
     return counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start, t_end, n_tiles
 
 
@@ -286,7 +296,8 @@ def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int):
     block_i = _block_i(block_e)
     dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
         expert_counts, n_tiles, n_tiles, n_tiles, t_expert, t_start, t_end, n_tiles, E, E, n_max,
-        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=False, num_warps=4)
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=False, num_warps=4,
+        **pdl_kwargs(expert_counts.device))
     return t_expert, t_start, t_end, n_tiles
 
 
@@ -376,34 +387,40 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
     makes with ``config``: the fused kernel, or the four block kernels."""
     from ..plan.crosscompile import CompileRequest
 
+    from ..arch import get_arch
+
     i32 = "*i32"
     w = config.num_warps
+    pdl = int(get_arch(cc).has_pdl)
     if config.fused:
+        kernel = "dispatch_small_kernel" if n_pairs <= config.block_p else "dispatch_fused_kernel"
         names = ("ids_ptr", "counts_ptr", "offsets_ptr", "sorted_token_ptr", "sorted_pair_ptr", "pair_row_ptr",
                  "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "n_tiles_ptr")
         sig = {**{n: i32 for n in names}, "n_pairs": "i32", "E": "i32", "max_tiles": "i32"}
-        return [CompileRequest("fp4moe.kernels.dispatch:dispatch_fused_kernel", sig,
+        return [CompileRequest(f"fp4moe.kernels.dispatch:{kernel}", sig,
                                {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p,
-                                "BLOCK_E": max(16, _next_pow2(n_experts))}, cc, w, 1)]
+                                "BLOCK_E": max(16, _next_pow2(n_experts)), "PDL": pdl}, cc, w, 1)]
     block_e = max(16, _next_pow2(n_experts + 1))
     return [
         CompileRequest("fp4moe.kernels.dispatch:dispatch_histogram_kernel",
                        {"ids_ptr": i32, "hist_ptr": i32, "n_pairs": "i32", "E": "i32"},
-                       {"BLOCK_P": config.block_p, "BLOCK_Q": _block_q(config.block_p, block_e), "BLOCK_E": block_e},
+                       {"BLOCK_P": config.block_p, "BLOCK_Q": _block_q(config.block_p, block_e), "BLOCK_E": block_e,
+                        "PDL": pdl},
                        cc, w, 1),
         CompileRequest("fp4moe.kernels.dispatch:dispatch_scan_kernel",
                        {"hist_ptr": i32, "bucket_counts_ptr": i32, "n_blocks": "i32"},
-                       {"BLOCK_E": block_e, "BLOCK_B": 16, "BLOCK_C": min(block_e, 64)}, cc, w, 1),
+                       {"BLOCK_E": block_e, "BLOCK_B": 16, "BLOCK_C": min(block_e, 64), "PDL": pdl}, cc, w, 1),
         CompileRequest("fp4moe.kernels.dispatch:dispatch_tiles_kernel",
                        {**{n: i32 for n in ("bucket_counts_ptr", "counts_ptr", "offsets_ptr", "n_tiles_ptr",
                                             "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr",
                                             "n_tiles_out_ptr")},
                         "n_buckets": "i32", "E": "i32", "max_tiles": "i32"},
-                       {"BLOCK_M": block_m, "BLOCK_I": _block_i(block_e), "BLOCK_E": block_e, "STORE_TABLE": True},
+                       {"BLOCK_M": block_m, "BLOCK_I": _block_i(block_e), "BLOCK_E": block_e, "STORE_TABLE": True,
+                        "PDL": pdl},
                        cc, w, 1),
         CompileRequest("fp4moe.kernels.dispatch:dispatch_scatter_kernel",
                        {**{n: i32 for n in ("ids_ptr", "hist_ptr", "offsets_ptr", "sorted_token_ptr",
                                             "sorted_pair_ptr", "pair_row_ptr")}, "n_pairs": "i32", "E": "i32"},
                        {"TOP_K": top_k, "BLOCK_P": config.block_p, "BLOCK_Q": min(32, config.block_p),
-                        "BLOCK_E": block_e}, cc, w, 1),
+                        "BLOCK_E": block_e, "PDL": pdl}, cc, w, 1),
     ]

@@ -27,7 +27,7 @@ import torch
 from ..arch import Arch, get_arch
 from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
-from ._runtime import check_weight_scale_range
+from ._runtime import check_weight_scale_range, pdl_kwargs
 
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
@@ -362,6 +362,8 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     mx = p.fmt is not NVFP4
     unused = p.scales  # pointer arguments a variant does not read (Triton needs a tensor)
     tiles = (plan.tile_expert, plan.tile_start, plan.tile_end) if plan is not None else (unused,) * 3
+    # the MoE chain (dispatch -> GEMM -> epilogue) launches with PDL; the plain linear's split-K path does not
+    pdl = pdl_kwargs(x2.device) if plan is not None else {"PDL": 0, "launch_pdl": False}
     fp4_linear_mma_kernel[(triton.cdiv(N, config.block_n), grid_m, split)](
         p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, target, *tiles, plan.sorted_token if gather else unused,
@@ -370,7 +372,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
         FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
-        GROUPED=plan is not None, GATHER=gather, num_warps=config.warps,
+        GROUPED=plan is not None, GATHER=gather, num_warps=config.warps, **pdl,
     )
     return split
 
@@ -414,7 +416,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       SCALE=scale_asm(mx),
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
-                      EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather)
+                      EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
+                      PDL=int(grouped and get_arch(cc).has_pdl))
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=divisible)

@@ -15,7 +15,7 @@ from .. import guard
 from ..kernels.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # gpt-oss's activation constants (one definition)
 from ..quantize import FP4Tensor, dequantize
 from .dispatch import DispatchPlan, dispatch
-from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype
+from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype, pdl_kwargs
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
@@ -156,7 +156,33 @@ def launch_combine(y_pair: torch.Tensor, topk_ids: torch.Tensor, top_k: int, sha
     moe_combine_kernel[(T, triton.cdiv(H, block))](
         y_pair, topk_ids, shared if shared is not None else y_pair, out, H, n_experts, y_pair.stride(0),
         shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4)
+        TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4, **pdl_kwargs(out.device))
+    return out
+
+
+def launch_partials_combine(part: torch.Tensor, w2: FP4Tensor, plan: DispatchPlan, topk_ids: torch.Tensor,
+                            pair_weights: torch.Tensor, shared: torch.Tensor | None, bias: torch.Tensor | None,
+                            out: torch.Tensor) -> torch.Tensor:
+    """GEMM 2's epilogue and the combine in one launch (``moe_partials_combine_kernel``): out[t] =
+    sum over kept slots s, in slot order, of (part[row(t, s)] * globals + bias) * weight(t, s), +
+    shared[t]. ``part`` [splits, R, H] (added in split order), ``pair_weights`` [T * k] fp32."""
+    import triton
+
+    from ..kernels.moe import moe_partials_combine_kernel
+
+    T, H = out.shape
+    k = topk_ids.shape[1]
+    # enough programs to spread the pair rows' reads over the GPU at decode batch sizes
+    block = max(32, min(1024, triton.next_power_of_2(max(1, T * H // 512))))
+    wg, wg_mode = _weight_globals(w2)
+    unused = part
+    moe_partials_combine_kernel[(T, triton.cdiv(H, block))](
+        part, wg if wg is not None else unused, bias if bias is not None else unused, pair_weights, topk_ids,
+        plan.pair_row, shared if shared is not None else unused, out, part.shape[1], H, w2.shape[0],
+        wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0,
+        shared.stride(0) if shared is not None else 0, out.stride(0),
+        TOP_K=k, SPLIT=part.shape[0], BLOCK_H=block, WG_MODE=wg_mode, HAS_BIAS=bias is not None, HAS_SHARED=shared is not None,
+        num_warps=max(1, min(4, block // 256)), enable_fp_fusion=False, **pdl_kwargs(out.device))
     return out
 
 
@@ -416,30 +442,27 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
         part.shape[1], N_w, n_out, N_w // 2, wg.stride(0) if wg_mode == 2 else 0,
         bias.stride(0) if bias is not None else 0, out.stride(0),
         SPLIT=part.shape[0], BLOCK_N=block_n, BLOCK_M=plan.block_m, SWIGLU=swiglu, INTERLEAVED=interleaved,
-        SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4)
+        SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4,
+        **pdl_kwargs(out.device))
     return out
 
 
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
              shared_out, out):
-    """GEMM 1 partials -> epilogue (globals, bias, SwiGLU) -> GEMM 2 partials -> epilogue (routing
-    weight, scatter to pair rows) -> combine, with ``cfg`` (an ``MMAConfig``) for both GEMMs; the
+    """GEMM 1 partials -> epilogue (globals, bias, SwiGLU) -> GEMM 2 partials -> its epilogue (globals,
+    bias, routing weight) and the combine in one kernel, with ``cfg`` (an ``MMAConfig``) for both GEMMs; the
     plan was made for ``cfg.block_m``."""
     from .mma_layout import launch_grouped_mma
 
     T, H = x.shape
-    E, I = w13.shape[0], w2.shape[2]
+    I = w2.shape[2]
     p13, p2 = packed
     part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
     launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved, scatter=False,
                              row_weight=None, bias=w13_bias)
     part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False)
-    y_pair = torch.empty((T * k, H), dtype=torch.float32, device=x.device)
-    row_w = _pair_weights(topk_weights)
-    launch_partials_epilogue(part, w2, plan, y_pair, swiglu=0, interleaved=False, scatter=True, row_weight=row_w,
-                             bias=w2_bias)
-    return launch_combine(y_pair, topk_ids, k, shared_out, out, E)
+    return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
 
 #: GEMM 2 runs the short tails with narrower wgmmas too (``WgmmaConfig.tail_m``). Off until

@@ -58,7 +58,7 @@ assertion (``torch._assert_async``), which does not synchronise and survives CUD
 from __future__ import annotations
 
 import math
-from ._runtime import interpreting
+from ._runtime import interpreting, pdl_kwargs
 import struct
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -151,11 +151,14 @@ class RoutingConfig:
 
     @staticmethod
     def from_heuristic(T: int, E: int, top_k: int) -> RoutingConfig:
-        """About 2,048 logits per program (each token's row is whole): 8 tokens at E=256, 4 at
-        E=512; never more tokens than the batch has. Not tuned on silicon: routing is a few
-        microseconds next to the expert GEMMs."""
-        block_t = max(1, min(16, 2048 // _next_pow2(E), _next_pow2(max(T, 1))))
-        return RoutingConfig(block_t=block_t, num_warps=4 if block_t * _next_pow2(E) >= 1024 else 2)
+        """One token per program, one warp per 256 experts (at most 4). A token's top-k is a chain
+        of dependent reductions, so what bounds the kernel is the serial work per thread (the
+        logits each thread holds) and cross-warp reductions, not parallelism: H200, GLM-5 routing
+        (scripts/sweep_chain.py, benchmarks/raw/sweep-chain-h200.json), one token per warp took
+        6.2-6.5 us at every batch from 1 to 256 tokens, against 8.2-11.0 us for the previous
+        2,048 logits per program (8 tokens of 256 experts on 4 warps), and 29-30 us for 8 tokens
+        on one warp."""
+        return RoutingConfig(block_t=1, num_warps=max(1, min(4, _next_pow2(E) // 256)))
 
     @staticmethod
     def candidates(T: int, E: int, top_k: int) -> list[RoutingConfig]:
@@ -378,7 +381,7 @@ def launch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | 
         KIND=_KINDS[routing.kind], TOP_K=k, RENORM=bool(routing.renormalize), N_GROUP=n_group,
         TOPK_GROUP=routing.topk_group if grouped else 1, HAS_BIAS=bias is not None,
         BLOCK_T=config.block_t, BLOCK_E=_next_pow2(E), BLOCK_K=_next_pow2(k), BLOCK_G=_next_pow2(n_group),
-        num_warps=config.num_warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+        num_warps=config.num_warps, enable_fp_fusion=False, enable_reflect_ftz=False, **pdl_kwargs(dev),
     )
     bias_arg = bias.to(torch.float32).contiguous() if bias is not None else logits
     scale = float(routing.routed_scaling_factor)
@@ -431,9 +434,13 @@ def _empty_outputs(logits: torch.Tensor, k: int):
 
 
 def _empty_stats(logits: torch.Tensor, k0: int):
+    """OEA's statistics of no tokens (no experts; k0 > 0), or exact routing's placeholders (k0 = 0;
+    ``route`` returns no stats): left uninitialised, so that exact routing launches nothing after
+    its kernel (two fills here cost the H200 decode layer ~1.8 us between routing and dispatch)."""
     dev = logits.device
+    make = torch.zeros if k0 else torch.empty
     n = logits.shape[0] if k0 else 0
-    return (torch.zeros((), dtype=torch.int32, device=dev), torch.zeros((), dtype=torch.int32, device=dev),
+    return (make((), dtype=torch.int32, device=dev), make((), dtype=torch.int32, device=dev),
             torch.empty((n,), dtype=torch.float32, device=dev))
 
 
@@ -506,6 +513,7 @@ def compile_requests(routing: Routing, E: int, config: RoutingConfig, cc: int, *
     """Cross-compilation requests (``fp4moe.plan.crosscompile``) for the launches ``route`` makes:
     one pass, or OEA's two. (The planner compiles with default options; the launcher adds
     ``enable_fp_fusion=False``, which changes instruction selection, not resources much.)"""
+    from ..arch import get_arch
     from ..plan.crosscompile import CompileRequest
 
     grouped = routing.kind == "sigmoid_bias" and routing.n_group > 1
@@ -519,7 +527,7 @@ def compile_requests(routing: Routing, E: int, config: RoutingConfig, cc: int, *
         "KIND": _KINDS[routing.kind], "TOP_K": routing.top_k, "RENORM": bool(routing.renormalize),
         "N_GROUP": n_group, "TOPK_GROUP": routing.topk_group if grouped else 1,
         "HAS_BIAS": routing.kind != "softmax", "BLOCK_T": config.block_t, "BLOCK_E": _next_pow2(E),
-        "BLOCK_K": _next_pow2(routing.top_k), "BLOCK_G": _next_pow2(n_group),
+        "BLOCK_K": _next_pow2(routing.top_k), "BLOCK_G": _next_pow2(n_group), "PDL": int(get_arch(cc).has_pdl),
     }
     passes = [(0, routing.top_k)] if k0 is None else [(1, k0), (2, k0)]
     return [CompileRequest(kernel="fp4moe.kernels.routing:routing_kernel", signature=signature,
