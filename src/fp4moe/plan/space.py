@@ -982,7 +982,10 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs at decode on the mma.sync kernel (``kernels.linear_mma``,
     GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert (<= 8 on SM90
     when the wgmma kernel can take the layer; ``ops.moe.packed_moe_kernel``). Each GEMM writes fp32 partial sums that a Triton epilogue
-    kernel finishes (globals, bias, SwiGLU; routing weight and scatter); no shared memory."""
+    kernel finishes: GEMM 1's (globals, bias, SwiGLU) writes h; GEMM 2's is fused with the combine
+    (``moe_partials_combine_kernel``: globals, bias, routing weight, the sum over each token's
+    slots) and writes the token rows. No shared memory. The chain's kernels launch with PDL on
+    SM90+ (``kernels.pdl``), which the time model does not credit."""
 
     name = "fp4_moe_mma"
     problem_type = MoEGemmProblem
@@ -1031,8 +1034,9 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         flops = 2 * (tiles * bm) * (tiles_n * config.block_n) * problem.K
         peak = gpu.bf16_dense_tflops
         ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=0)
-        out_bytes = problem.pairs * problem.N * (2 if problem.gemm == 1 else 4)
-        # the epilogue kernel reads the partials and writes h (GEMM 1) or the pair rows (GEMM 2)
+        # the epilogue kernel reads the partials and writes h (GEMM 1) or, fused with the combine, the
+        # tokens' rows (GEMM 2)
+        out_bytes = problem.pairs * problem.N * 2 if problem.gemm == 1 else problem.T * problem.N * 2
         extra = (partials + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=tiles * w_expert + tiles_n * x_rows,
