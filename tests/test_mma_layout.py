@@ -194,10 +194,10 @@ for cc, rb, kh, bm, mx, grouped in json.loads(sys.argv[1]):
     sig = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
            "y_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32",
            "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
-           "stride_ym": "i32", "k_chunks_per_split": "i32"}
+           "stride_ym": "i32", "k_chunks_per_split": "i32", "stride_ge": "i32", "stride_be": "i32"}
     cx = dict(RB=rb, WARPS=4, KH=kh, BLOCK_M=bm, MXFP4=mx, HAS_WG=not mx, HAS_BIAS=True, SPLIT_K=2, FOLD=256.0,
               DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), X_LAYOUT=L.x_layout(bm, kh, 4), EVEN_K=True,
-              GROUPED=grouped, GATHER=grouped, PDL=int(grouped and cc >= 90))
+              GROUPED=grouped, GATHER=grouped, PDL=int(grouped and cc >= 90), SWIGLU=False, WG_MODE=0)
     sig.update({k: "constexpr" for k in cx})
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": 4})
@@ -285,12 +285,17 @@ def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bia
     check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
-def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, interleaved, per_row, bias):
+def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, interleaved, per_row, bias, fused):
     """The MoE decode pipeline around the grouped kernel (plan, partials epilogue with globals, bias,
     activation, routing weight and scatter, combine) on CPU: the Gluon GEMM is replaced by a torch
-    emulation of its contract (partials of the packed weights, which carry no global scale)."""
+    emulation of its contract (partials of the packed weights, which carry no global scale); with
+    ``fused`` GEMM 1's SiLU layers take the fused-epilogue launch, emulated as partials followed by
+    the epilogue kernel (the contract ``launch_grouped_mma_swiglu`` states), which checks the
+    arguments the pipeline passes it."""
     from fp4moe.ops import mma_layout
+    from fp4moe.ops import moe as moe_ops
     from fp4moe.ops.dispatch import dispatch
     from fp4moe.ops.moe import _run_mma, fp4_moe_reference, mma_moe_config, mma_packed_experts, random_moe_problem
 
@@ -311,7 +316,19 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
                 part[0, r] = w[e] @ x2[row].float()
         return part
 
+    calls = []
+
+    def emulated_swiglu(x2, p, n_out, plan, config, out, globals_, bias13):
+        calls.append(n_out)
+        wg, mode = globals_
+        assert mode == (moe_ops._weight_globals(w13)[1]) and bias13 is b13 and n_out == I
+        part = emulated(x2, p, 2 * n_out, plan, config, gather=True)
+        return moe_ops.launch_partials_epilogue(part, w13, plan, out, swiglu=1, interleaved=False, scatter=False,
+                                                row_weight=None, bias=bias13)
+
     monkeypatch.setattr(mma_layout, "launch_grouped_mma", emulated)
+    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", emulated_swiglu)
+    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", fused)
     packed = (mma_packed_experts(w13), mma_packed_experts(w2))
     cfg = mma_moe_config(T * k / E)
     out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation, interleaved, b13,
@@ -320,6 +337,43 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
                             w13_bias=b13, w2_bias=b2).float()
     assert torch.isfinite(out.float()).all()
     assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+    assert len(calls) == int(fused and activation == "silu" and not interleaved)
+
+
+def test_fused_swiglu_gemm1_cross_compiles():
+    """MoE GEMM 1 with its SiLU epilogue in the kernel (the decode configurations, every global-scale
+    mode, bias) compiles for SM80, SM90 and SM120 without spills, on mma.sync, with PDL from SM90."""
+    from fp4moe.ops.mma_layout import mma_compile_request
+    from fp4moe.ops.moe import mma_moe_config
+    from fp4moe.plan.crosscompile import cross_compile
+
+    reqs = [mma_compile_request(mma_moe_config(rows), fmt, cc, 6144, has_bias=bias, grouped=True, gather=True,
+                                swiglu=True, wg_mode=mode)
+            for cc in (80, 90, 120) for rows in (1, 8)
+            for fmt, mode, bias in (("nvfp4", 1, False), ("nvfp4", 2, True), ("mxfp4", 0, False))]
+    for q, r in zip(reqs, cross_compile(reqs)):
+        assert r.ok, r.error
+        assert r.spill_bytes == 0, (q.cc, q.constexprs["BLOCK_M"], r.ptxas_log)
+        assert any("mma.sync" in m and "bf16" in m for m in r.mma), r.mma
+        assert q.constexprs["SWIGLU"] and q.constexprs["PDL"] == int(q.cc >= 90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_row,bias", [(False, False), (True, True)])
+def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
+    """GEMM 1 with the epilogue in the kernel gives the layer the partial sums + epilogue kernel give
+    (the same arithmetic in the same order; contraction into FMAs may differ by an ulp before h's
+    bf16 rounding)."""
+    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops.moe import fp4_moe_experts, random_moe_problem
+
+    p = random_moe_problem(5, 64, 8, 1024, 512, "nvfp4", device="cuda", seed=3, per_row=per_row, bias=bias,
+                           dropped=(0, 7))
+    kw = dict(w13_bias=p.w13_bias, w2_bias=p.w2_bias)
+    fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
+    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", False)
+    split = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
+    assert ((fused - split).abs().max() / split.abs().max()) < 5e-3
 
 
 def test_pack_follows_in_place_weight_updates():

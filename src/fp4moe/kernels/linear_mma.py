@@ -147,15 +147,17 @@ def fp4_linear_mma_kernel(
     wq_ptr,  # int32 words [N/16, K/64, 32, 4]
     sc_ptr,  # int16 scale pairs [N/16, K/64, 32] (NVFP4) or [N/16, K/64, 8, 2] (MXFP4)
     x_ptr,  # [M, K] bf16, (stride_xm, 1)
-    wg_ptr,  # [1] fp32 weight global scale (HAS_WG) or unused
-    bias_ptr,  # [N] (HAS_BIAS) or unused
-    y_ptr,  # SPLIT_K == 1 and not GROUPED: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] fp32 partial sums
+    wg_ptr,  # [1] fp32 weight global scale (HAS_WG), SWIGLU: WG_MODE's globals; else unused
+    bias_ptr,  # [N] (HAS_BIAS; SWIGLU: [E, 2N], stride_be) or unused
+    y_ptr,  # SPLIT_K == 1 and not GROUPED, or SWIGLU: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] fp32 partial sums
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tile map, else unused
     row_x_ptr,  # GROUPED and GATHER: [M] int32 x row of each sorted row, else unused
     M, N, K,  # K: the stored (padded) K, a multiple of 64; x is read (masked) up to K_X
-    # GROUPED: M sorted rows (token-expert pairs), N rows per expert (the packed weight holds E * N)
+    # GROUPED: M sorted rows (token-expert pairs), N rows per expert (the packed weight holds E * N;
+    # SWIGLU: N outputs, E * 2N rows, each expert's N gate rows then its N up rows)
     K_X, stride_xm, stride_ym,
     k_chunks_per_split,  # 64-K chunks per split (a multiple of KH)
+    stride_ge, stride_be,  # SWIGLU: row strides of per-row globals (WG_MODE 2) and of the bias, else 0
     RB: gl.constexpr,  # 16-row blocks per warp
     WARPS: gl.constexpr,  # warps along N (= num_warps)
     KH: gl.constexpr,  # 64-K chunks per loop step
@@ -169,7 +171,13 @@ def fp4_linear_mma_kernel(
     GROUPED: gl.constexpr,  # axis 1 runs over the tiles of an MoE dispatch plan (one expert each)
     GATHER: gl.constexpr,  # GROUPED: x rows through row_x_ptr (tokens), else the sorted rows themselves
     PDL: gl.constexpr,  # programmatic dependent launch: wait for the previous grid before any load (kernels.pdl)
+    SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
+    WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
 ):
+    """With SWIGLU each program also runs the expert's up rows (N row blocks below its gate rows)
+    through a second accumulator of the same layout, so a thread holds the gate and the up sum of
+    the same outputs and writes h = silu(g) * u in bf16 directly, as ``moe_partials_epilogue_kernel``
+    computes it from the partial sums (no partial sums, no second kernel)."""
     BLOCK_N: gl.constexpr = 16 * RB * WARPS
     BLOCK_K: gl.constexpr = 64 * KH
     NB: gl.constexpr = RB * WARPS  # 16-row blocks per program
@@ -198,7 +206,10 @@ def fp4_linear_mma_kernel(
         row_start = gl.load(tile_start_ptr + pid_m)
         row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)  # unused tile: no rows
         c_end = gl.where(e >= 0, c_end, c_start)  # ... and no K steps
-        rb_base = gl.maximum(e, 0) * NRB  # the expert's first row block in the stacked weight
+        if SWIGLU:
+            rb_base = gl.maximum(e, 0) * (2 * NRB)  # gate blocks, then as many up blocks
+        else:
+            rb_base = gl.maximum(e, 0) * NRB  # the expert's first row block in the stacked weight
     else:
         row_start = pid_m * BLOCK_M
         row_end = M
@@ -230,6 +241,13 @@ def fp4_linear_mma_kernel(
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     w = gl.load(w_ptrs + c_start * 128)
     s = gl.load(s_ptrs + c_start * S_STEP)
+    if SWIGLU:  # the up rows: NRB row blocks further on
+        up_chunks = NRB.to(gl.int64) * KC
+        w_ptrs_u = w_ptrs + up_chunks * 128
+        s_ptrs_u = s_ptrs + up_chunks * S_STEP
+        acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+        w_u = gl.load(w_ptrs_u + c_start * 128)
+        s_u = gl.load(s_ptrs_u + c_start * S_STEP)
     for c0 in range(c_start, c_end, KH):
         if EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)
@@ -239,25 +257,51 @@ def fp4_linear_mma_kernel(
         c_next = gl.minimum(c0 + KH, c_end - KH)
         w_next = gl.load(w_ptrs + c_next * 128)
         s_next = gl.load(s_ptrs + c_next * S_STEP)
+        if SWIGLU:
+            w_u_next = gl.load(w_ptrs_u + c_next * 128)
+            s_u_next = gl.load(s_ptrs_u + c_next * S_STEP)
         wd = decode_a_operand(w, s, NB, KH, DECODE, SCALE, a_layout)
         # x from stored K order (kc, t, kl, i2, i0) to MMA order (kc, kl, i2, t, i0)
         xb = gl.permute(gl.reshape(xt, [BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 3, 4, 2, 5])
         xb = gl.convert_layout(gl.permute(gl.reshape(xb, [BLOCK_M, BLOCK_K]), [1, 0]), b_layout, assert_trivial=True)
         acc = mma_v2(wd, xb, acc)
+        if SWIGLU:
+            acc_u = mma_v2(decode_a_operand(w_u, s_u, NB, KH, DECODE, SCALE, a_layout), xb, acc_u)
+            w_u = w_u_next
+            s_u = s_u_next
         w = w_next
         s = s_next
 
     out = acc
     if FOLD != 1.0:
         out = out * FOLD
-    if HAS_WG:
+    if HAS_WG and not SWIGLU:
         out = out * gl.load(wg_ptr)
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
     offs_mo = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
     n_mask = offs_n < N
     mask = gl.expand_dims(n_mask, 1) & gl.expand_dims(offs_mo < row_end, 0)
     rows = gl.expand_dims(offs_mo.to(gl.int64), 0)
-    if SPLIT_K == 1 and not GROUPED:
+    if SWIGLU:  # moe_partials_epilogue_kernel's arithmetic, in its order
+        u = acc_u
+        if FOLD != 1.0:
+            u = u * FOLD
+        e64 = gl.maximum(e, 0).to(gl.int64)  # an unused tile (e = -1) stores nothing
+        if WG_MODE == 1:
+            g_e = gl.load(wg_ptr + e64)
+            out = out * g_e
+            u = u * g_e
+        if WG_MODE == 2:
+            wg_e = wg_ptr + e64 * stride_ge
+            out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0), 1)
+            u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0), 1)
+        if HAS_BIAS:
+            b_e = bias_ptr + e64 * stride_be
+            out = out + gl.expand_dims(gl.load(b_e + offs_n, mask=n_mask, other=0.0).to(gl.float32), 1)
+            u = u + gl.expand_dims(gl.load(b_e + N + offs_n, mask=n_mask, other=0.0).to(gl.float32), 1)
+        h = out / (1.0 + gl.exp(-out)) * u
+        gl.store(y_ptr + rows * stride_ym + gl.expand_dims(offs_n, 1), h.to(y_ptr.dtype.element_ty), mask=mask)
+    elif SPLIT_K == 1 and not GROUPED:
         if HAS_BIAS:
             bias = gl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(gl.float32)
             out = out + gl.expand_dims(bias, 1)

@@ -349,8 +349,10 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
 
 
 def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
-            gather: bool = False, stride_ym: int = 0):
-    """The one launch of ``fp4_linear_mma_kernel`` (plain, or GROUPED over an MoE plan's tiles)."""
+            gather: bool = False, stride_ym: int = 0, swiglu: bool = False, globals_=(None, 0)):
+    """The one launch of ``fp4_linear_mma_kernel`` (plain, or GROUPED over an MoE plan's tiles;
+    ``swiglu``: MoE GEMM 1 with its epilogue, N outputs, ``globals_`` as ``ops.moe._weight_globals``,
+    ``bias`` [E, 2N] or None)."""
     import triton
 
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kernel, scale_asm, x_layout
@@ -364,25 +366,32 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     tiles = (plan.tile_expert, plan.tile_start, plan.tile_end) if plan is not None else (unused,) * 3
     # the MoE chain (dispatch -> GEMM -> epilogue) launches with PDL; the plain linear's split-K path does not
     pdl = pdl_kwargs(x2.device) if plan is not None else {"PDL": 0, "launch_pdl": False}
+    wg, wg_mode = globals_
+    if swiglu and split != 1:
+        raise ValueError(f"config.split_k: the fused SwiGLU epilogue needs whole K per program, got {split} splits")
+    if wg is None:
+        wg = p.global_scale
     fp4_linear_mma_kernel[(triton.cdiv(N, config.block_n), grid_m, split)](
-        p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
+        p.words, p.scales.view(torch.int16), x2, wg if wg is not None else unused,
         bias if bias is not None else unused, target, *tiles, plan.sorted_token if gather else unused,
         M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), stride_ym, per_split,
+        wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if swiglu and bias is not None else 0,
         RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
         FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
-        GROUPED=plan is not None, GATHER=gather, num_warps=config.warps, **pdl,
+        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode, num_warps=config.warps, **pdl,
     )
     return split
 
 
 def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
-                        grouped: bool = False, gather: bool = False):
+                        grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
-    for MoE GEMM 1)."""
+    for MoE GEMM 1), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does (bf16 h, ``wg_mode`` and
+    ``has_bias`` as the weight's)."""
     from ..formats import get_format
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
     from ..plan.crosscompile import CompileRequest
@@ -408,16 +417,19 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                               divisible_by_16=divisible)
     kh, split, _ = _split(config, chunks)
     signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
-                 "y_ptr": "*fp32" if split > 1 or grouped else "*bf16", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32",
+                 "y_ptr": "*fp32" if (split > 1 or grouped) and not swiglu else "*bf16", "tile_expert_ptr": "*i32",
+                 "tile_start_ptr": "*i32",
                  "tile_end_ptr": "*i32", "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32",
-                 "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_split": "i32"}
+                 "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_split": "i32", "stride_ge": "i32",
+                 "stride_be": "i32"}
     constexprs = dict(RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
-                      HAS_WG=not mx and not grouped, HAS_BIAS=has_bias and not grouped, SPLIT_K=split, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
+                      HAS_WG=not mx and not grouped, HAS_BIAS=has_bias and (swiglu or not grouped), SPLIT_K=split,
+                      FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
                       SCALE=scale_asm(mx),
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
-                      PDL=int(grouped and get_arch(cc).has_pdl))
+                      PDL=int(grouped and get_arch(cc).has_pdl), SWIGLU=swiglu, WG_MODE=wg_mode if swiglu else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=divisible)
@@ -461,6 +473,26 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     part = torch.empty((split, R, n_per_expert), dtype=torch.float32, device=x2.device)
     _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather)
     return part
+
+
+def launch_grouped_mma_swiglu(x2: torch.Tensor, p: MMAPackedFP4, n_out: int, plan, config: MMAConfig,
+                              out: torch.Tensor, globals_, bias: torch.Tensor | None) -> torch.Tensor:
+    """MoE GEMM 1 with its epilogue in the kernel: ``out[r, :] = silu(g) * u`` (bf16) for every
+    sorted row r of the plan, where g and u are the row's token times the expert's gate rows [0,
+    n_out) and up rows [n_out, 2 n_out), with ``globals_`` (``ops.moe._weight_globals``) and
+    ``bias`` [E, 2 n_out] applied as ``moe_partials_epilogue_kernel`` does. ``p`` packs the
+    experts' [E * 2 n_out, K] rows without global scales; n_out a multiple of 16; no K split."""
+    if plan.block_m != config.block_m:
+        raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if config.kw > 1 or config.split_k > 1:
+        raise ValueError(f"config: the fused SwiGLU epilogue needs whole K per program, got {config}")
+    if n_out % ROWS:
+        raise ValueError(f"n_out: the up rows start a whole 16-row block after the gate rows, got {n_out}")
+    if p.global_scale is not None:
+        raise ValueError("p: grouped weights are packed without global scales")
+    _launch(x2, p, bias, out, plan.sorted_pair.shape[0], n_out, config, plan.max_tiles, plan=plan, gather=True,
+            stride_ym=out.stride(0), swiglu=True, globals_=globals_)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -447,20 +447,39 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
     return out
 
 
+#: GEMM 1 of the decode path runs its epilogue in the kernel (``launch_grouped_mma_swiglu``) for the
+#: SiLU activation on gate-then-up weights; gpt-oss's clamped variant and interleaved rows keep the
+#: partial sums and the epilogue kernel
+FUSED_SWIGLU = True
+
+
+def fuses_swiglu(cfg, activation: str, interleaved: bool, I: int) -> bool:
+    """Whether the decode path's GEMM 1 writes h itself (``FUSED_SWIGLU``): SiLU, gate rows then up
+    rows, I a whole number of 16-row blocks, K not split over programs."""
+    from .mma_layout import ROWS
+
+    return (FUSED_SWIGLU and activation == "silu" and not interleaved and I % ROWS == 0 and cfg.split_k == 1
+            and cfg.kw == 1)
+
+
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
              shared_out, out):
-    """GEMM 1 partials -> epilogue (globals, bias, SwiGLU) -> GEMM 2 partials -> its epilogue (globals,
-    bias, routing weight) and the combine in one kernel, with ``cfg`` (an ``MMAConfig``) for both GEMMs; the
-    plan was made for ``cfg.block_m``."""
-    from .mma_layout import launch_grouped_mma
+    """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
+    partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
+    the combine in one kernel; ``cfg`` (an ``MMAConfig``) for both GEMMs, the plan made for
+    ``cfg.block_m``."""
+    from .mma_layout import launch_grouped_mma, launch_grouped_mma_swiglu
 
     T, H = x.shape
     I = w2.shape[2]
     p13, p2 = packed
-    part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved, scatter=False,
-                             row_weight=None, bias=w13_bias)
+    if fuses_swiglu(cfg, activation, interleaved, I):
+        launch_grouped_mma_swiglu(x, p13, I, plan, cfg, h, _weight_globals(w13), w13_bias)
+    else:
+        part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
+        launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved,
+                                 scatter=False, row_weight=None, bias=w13_bias)
     part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 

@@ -982,7 +982,8 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs at decode on the mma.sync kernel (``kernels.linear_mma``,
     GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert (<= 8 on SM90
     when the wgmma kernel can take the layer; ``ops.moe.packed_moe_kernel``). Each GEMM writes fp32 partial sums that a Triton epilogue
-    kernel finishes: GEMM 1's (globals, bias, SwiGLU) writes h; GEMM 2's is fused with the combine
+    kernel finishes (GEMM 1 of SiLU layers on gate-then-up weights runs its epilogue in the kernel,
+    ``ops.moe.fuses_swiglu``; otherwise GEMM 1's writes h); GEMM 2's is fused with the combine
     (``moe_partials_combine_kernel``: globals, bias, routing weight, the sum over each token's
     slots) and writes the token rows. No shared memory. The chain's kernels launch with PDL on
     SM90+ (``kernels.pdl``), which the time model does not credit."""
@@ -1016,8 +1017,17 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
 
+        # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
+        # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
-                                   gather=problem.gemm == 1)
+                                   gather=problem.gemm == 1, swiglu=self._fused(config, problem),
+                                   wg_mode=1 if problem.fmt == "nvfp4" else 0)
+
+    @staticmethod
+    def _fused(config, problem: MoEGemmProblem) -> bool:
+        from ..ops.moe import fuses_swiglu
+
+        return problem.gemm == 1 and fuses_swiglu(config, "silu", False, problem.N)
 
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
@@ -1025,19 +1035,22 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         bm = config.block_m
         experts, tiles = _uniform_tiles(problem, bm)
         w_rows = problem.weight_rows
-        tiles_n = _cdiv(w_rows, config.block_n)
+        fused = self._fused(config, problem)
+        # a fused GEMM 1 program runs block_n gate rows and the matching block_n up rows
+        tiles_n = _cdiv(problem.N if fused else w_rows, config.block_n)
         programs = tiles * tiles_n
         w_expert = fp4_weight_bytes(w_rows, problem.K, problem.fmt)
         x_rows = problem.pairs * problem.K * 2
-        partials = problem.pairs * w_rows * 4
-        nbytes = experts * w_expert + x_rows + partials
-        flops = 2 * (tiles * bm) * (tiles_n * config.block_n) * problem.K
+        partials = 0 if fused else problem.pairs * w_rows * 4
+        # h (GEMM 1), written by the kernel when fused; GEMM 2's epilogue is fused with the combine and
+        # writes the tokens' rows
+        out_bytes = problem.pairs * problem.N * 2 if problem.gemm == 1 else problem.T * problem.N * 2
+        nbytes = experts * w_expert + x_rows + partials + (out_bytes if fused else 0)
+        flops = 2 * (tiles * bm) * (tiles_n * config.block_n * (2 if fused else 1)) * problem.K
         peak = gpu.bf16_dense_tflops
         ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=0)
-        # the epilogue kernel reads the partials and writes h (GEMM 1) or, fused with the combine, the
-        # tokens' rows (GEMM 2)
-        out_bytes = problem.pairs * problem.N * 2 if problem.gemm == 1 else problem.T * problem.N * 2
-        extra = (partials + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+        # the epilogue kernel reads the partials and writes h (GEMM 1 unfused) or the tokens' rows
+        extra = 0.0 if fused else (partials + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=tiles * w_expert + tiles_n * x_rows,
                                        extra_us=extra)
@@ -1045,7 +1058,8 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
                     2 * problem.pairs * w_rows * problem.K / (peak * 1e6))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak,
-                            notes=("fp32 partial sums and an epilogue kernel",))
+                            notes=("SwiGLU epilogue in the kernel",) if fused else
+                            ("fp32 partial sums and an epilogue kernel",))
 
 
 class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
