@@ -329,6 +329,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     monkeypatch.setattr(mma_layout, "launch_grouped_mma", emulated)
     monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", emulated_swiglu)
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", fused)
+    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # the CPU's tiny grid
     packed = (mma_packed_experts(w13), mma_packed_experts(w2))
     cfg = mma_moe_config(T * k / E)
     out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation, interleaved, b13,
@@ -364,13 +365,16 @@ def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
     """GEMM 1 with the epilogue in the kernel gives the layer the partial sums + epilogue kernel give
     (the same arithmetic in the same order; contraction into FMAs may differ by an ulp before h's
     bf16 rounding)."""
+    from fp4moe import guard
     from fp4moe.ops import moe as moe_ops
     from fp4moe.ops.moe import fp4_moe_experts, random_moe_problem
 
     p = random_moe_problem(5, 64, 8, 1024, 512, "nvfp4", device="cuda", seed=3, per_row=per_row, bias=bias,
                            dropped=(0, 7))
     kw = dict(w13_bias=p.w13_bias, w2_bias=p.w2_bias)
+    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # fused at this size too
     fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
+    assert any("swiglu_fused" in key.kernel for key in guard._checked)  # the guard probed the fused kernel
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", False)
     split = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
     assert ((fused - split).abs().max() / split.abs().max()) < 5e-3

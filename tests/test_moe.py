@@ -340,3 +340,21 @@ def test_chain_kernels_use_pdl_from_sm90():
 
     for name, cc, pdl, n in run_compile_snippet(_PDL_COMPILE, [80, 90]):
         assert n == 2 * pdl, (name, cc, n)
+
+
+def test_fused_swiglu_needs_a_full_grid():
+    """The decode path's GEMM 1 runs its epilogue in the kernel only with at least
+    FUSED_SWIGLU_MIN_PROGRAMS_PER_SM programs per SM (GLM-5 on 132 SMs: not at 1 token, 8 tiles x 32
+    output blocks; yes at 4, 32 x 32), for SiLU on gate-then-up weights with whole K per program."""
+    from fp4moe.ops.dispatch import max_tiles
+    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.moe import fused_programs_per_sm, fuses_swiglu, mma_moe_config
+
+    cfg = mma_moe_config(1)
+    per_sm = {T: fused_programs_per_sm(max_tiles(8 * T, 256, cfg.block_m), 2048, cfg, 132) for T in (1, 4)}
+    assert not fuses_swiglu(cfg, "silu", False, 2048, per_sm[1])
+    assert fuses_swiglu(cfg, "silu", False, 2048, per_sm[4])
+    assert not fuses_swiglu(cfg, "gpt_oss", False, 2048, per_sm[4])  # the clamped variant: epilogue kernel
+    assert not fuses_swiglu(cfg, "silu", True, 2048, per_sm[4])  # interleaved rows
+    assert not fuses_swiglu(cfg, "silu", False, 2056, per_sm[4])  # up rows not on a 16-row block
+    assert not fuses_swiglu(MMAConfig(block_m=8, split_k=2), "silu", False, 2048, per_sm[4])

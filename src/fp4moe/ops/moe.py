@@ -14,7 +14,7 @@ import torch
 from .. import guard
 from ..kernels.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # gpt-oss's activation constants (one definition)
 from ..quantize import FP4Tensor, dequantize
-from .dispatch import DispatchPlan, dispatch
+from .dispatch import DispatchPlan, dispatch, max_tiles
 from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype, pdl_kwargs
 
 Activation = Literal["silu", "gpt_oss"]
@@ -452,29 +452,51 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
 #: partial sums and the epilogue kernel
 FUSED_SWIGLU = True
 
+#: ... when its grid has at least this many programs per SM: the fused program streams gate and up
+#: rows (121 registers on SM90 against 72: 4 resident programs of 4 warps per SM against 7), so a
+#: smaller grid leaves each SM fewer warps for the same weight bytes. H200, GLM-5 (benchmarks/README.md,
+#: session 10): at 1 token (8 tiles x 32 = 256 programs, ~2 per SM) the layer took 63.1 us fused
+#: against 59.0 with the epilogue kernel; at 4 tokens (1,024 programs) 181.3 against 188.9
+FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = 4
 
-def fuses_swiglu(cfg, activation: str, interleaved: bool, I: int) -> bool:
+
+def fuses_swiglu(cfg, activation: str, interleaved: bool, I: int, programs_per_sm: float) -> bool:
     """Whether the decode path's GEMM 1 writes h itself (``FUSED_SWIGLU``): SiLU, gate rows then up
-    rows, I a whole number of 16-row blocks, K not split over programs."""
+    rows, I a whole number of 16-row blocks, K not split over programs, and a grid of at least
+    ``FUSED_SWIGLU_MIN_PROGRAMS_PER_SM`` (``programs_per_sm``: the plan's worst-case tiles times the
+    output blocks, over the SMs)."""
     from .mma_layout import ROWS
 
     return (FUSED_SWIGLU and activation == "silu" and not interleaved and I % ROWS == 0 and cfg.split_k == 1
-            and cfg.kw == 1)
+            and cfg.kw == 1 and programs_per_sm >= FUSED_SWIGLU_MIN_PROGRAMS_PER_SM)
+
+
+def fused_programs_per_sm(tiles: int, I: int, cfg, sm_count: int) -> float:
+    """Programs per SM of the fused GEMM 1's grid of ``tiles`` plan tiles (``fuses_swiglu``)."""
+    return tiles * -(-I // cfg.block_n) / sm_count
+
+
+def decode_fuses_swiglu(cfg, activation: str, interleaved: bool, I: int, tiles: int, device) -> bool:
+    """``fuses_swiglu`` for a plan of ``tiles`` tiles (its worst case, ``max_tiles``) on ``device``."""
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return fuses_swiglu(cfg, activation, interleaved, I, fused_programs_per_sm(tiles, I, cfg, sm_count))
 
 
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
-             shared_out, out):
+             shared_out, out, fused=None):
     """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
     partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
     the combine in one kernel; ``cfg`` (an ``MMAConfig``) for both GEMMs, the plan made for
-    ``cfg.block_m``."""
+    ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``) pins GEMM 1's variant."""
     from .mma_layout import launch_grouped_mma, launch_grouped_mma_swiglu
 
     T, H = x.shape
     I = w2.shape[2]
     p13, p2 = packed
     h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
-    if fuses_swiglu(cfg, activation, interleaved, I):
+    if fused is None:
+        fused = decode_fuses_swiglu(cfg, activation, interleaved, I, plan.max_tiles, x.device)
+    if fused:
         launch_grouped_mma_swiglu(x, p13, I, plan, cfg, h, _weight_globals(w13), w13_bias)
     else:
         part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
@@ -530,12 +552,12 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
 
 
 def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
-                shared_out, out):
+                shared_out, out, fused=None):
     from .mma_layout import MMAConfig
 
     if isinstance(cfg, MMAConfig):
         return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
-                        w2_bias, shared_out, out)
+                        w2_bias, shared_out, out, fused)
     return _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias,
                       shared_out, out)
 
@@ -546,19 +568,24 @@ def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, inte
     layout = "interleaved" if interleaved else "gate_up"
     wg_mode = _weight_globals(w13)[1]
     has_bias = w13_bias is not None or w2_bias is not None
-    variant = f"{w13.fmt},{activation},{layout},wg{wg_mode}" + (",bias" if has_bias else "")
+    fused = None
+    if str(cfg).startswith("mma"):  # GEMM 1's variant, decided once: the probe runs the same one
+        fused = decode_fuses_swiglu(cfg, activation, interleaved, w2.shape[2],
+                                    max_tiles(topk_ids.numel(), E, cfg.block_m), x.device)
+    variant = f"{w13.fmt},{activation},{layout},wg{wg_mode}" + (",bias" if has_bias else "") + \
+        (",swiglu_fused" if fused else "")
     kernel = "fp4_moe_mma" if str(cfg).startswith("mma") else "fp4_moe_wgmma"
     key = guard.GuardKey(kernel=f"{kernel}[{variant}]", config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
         guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, "w4a16", None,
-                                        per_row=wg_mode == 2, bias=has_bias, mma_config=cfg),
+                                        per_row=wg_mode == 2, bias=has_bias, mma_config=cfg, fused=fused),
                     tolerance="fp4_moe")
     if guard.use_reference(key):
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
                                  w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
     plan = dispatch(topk_ids, E, cfg.block_m)
     return _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
-                       w2_bias, shared_out, out)
+                       w2_bias, shared_out, out, fused)
 
 
 @dataclass
@@ -618,10 +645,11 @@ def _probe_problem(T: int, fmt: str, *, device, dtype, per_row: bool, bias: bool
 
 
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
-           mma_config=None):
+           mma_config=None, fused=None):
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
-    biases, one dropped slot), and its reference. With a tail height (``WgmmaConfig.tail_m``) one
-    expert gets more rows than it, so both of GEMM 1's tile variants run."""
+    biases, one dropped slot; ``fused``: the decode path's GEMM 1 variant), and its reference. With a
+    tail height (``WgmmaConfig.tail_m``) one expert gets more rows than it, so both of GEMM 1's
+    tile variants run."""
     k, E = 2, 5
     tail = getattr(mma_config, "tail_m", 0)
     T = tail + 8 if tail else 7
@@ -631,7 +659,7 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
         packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
         out = _run_packed(p.x, p.w13, p.w2, packed, p.topk_ids, p.topk_weights,
                           dispatch(p.topk_ids, E, mma_config.block_m), mma_config, k, activation, interleaved,
-                          p.w13_bias, p.w2_bias, None, out)
+                          p.w13_bias, p.w2_bias, None, out, fused)
     else:
         out = _run(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, dispatch(p.topk_ids, E, configs[0].block_m), configs,
                    k, _act_code(mode, p.w13, device), activation, interleaved, p.w13_bias, p.w2_bias, None, None, out)

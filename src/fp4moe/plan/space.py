@@ -1020,14 +1020,20 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
         # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
-                                   gather=problem.gemm == 1, swiglu=self._fused(config, problem),
+                                   gather=problem.gemm == 1,
+                                   swiglu=self._fused(config, problem, default_gpu(arch).sm_count),
                                    wg_mode=1 if problem.fmt == "nvfp4" else 0)
 
     @staticmethod
-    def _fused(config, problem: MoEGemmProblem) -> bool:
-        from ..ops.moe import fuses_swiglu
+    def _fused(config, problem: MoEGemmProblem, sm_count: int) -> bool:
+        """As the runtime decides (``ops.moe.fuses_swiglu``) on a GPU of ``sm_count`` SMs (the
+        compile request, which sees only the architecture: its catalogue product's)."""
+        from ..ops.dispatch import max_tiles
+        from ..ops.moe import fused_programs_per_sm, fuses_swiglu
 
-        return problem.gemm == 1 and fuses_swiglu(config, "silu", False, problem.N)
+        tiles = max_tiles(problem.pairs, problem.E, config.block_m)
+        return problem.gemm == 1 and fuses_swiglu(config, "silu", False, problem.N,
+                                                  fused_programs_per_sm(tiles, problem.N, config, sm_count))
 
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
@@ -1035,7 +1041,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         bm = config.block_m
         experts, tiles = _uniform_tiles(problem, bm)
         w_rows = problem.weight_rows
-        fused = self._fused(config, problem)
+        fused = self._fused(config, problem, gpu.sm_count)
         # a fused GEMM 1 program runs block_n gate rows and the matching block_n up rows
         tiles_n = _cdiv(problem.N if fused else w_rows, config.block_n)
         programs = tiles * tiles_n
