@@ -205,7 +205,9 @@ for cc, rb, kh, bm, mx, grouped in json.loads(sys.argv[1]):
     spills = re.findall(r"(\d+) bytes spill", str(c.metadata))
     out.append({"cc": cc, "shared": c.metadata.shared, "mma": mma_instructions(c.asm["ptx"]),
                 "n_regs": getattr(c, "n_regs", None), "ldshared": c.asm["ptx"].count("ld.shared"),
-                "griddepcontrol": c.asm["ptx"].count("griddepcontrol"), "pdl": int(grouped and cc >= 90)})
+                "griddepcontrol": c.asm["ptx"].count("griddepcontrol"), "pdl": int(grouped and cc >= 90),
+                "wait_at": c.asm["ptx"].find("griddepcontrol.wait"),
+                "first_global": min(i for i in (c.asm["ptx"].find(o) for o in ("ld.global", "st.global")) if i >= 0)})
 print(json.dumps(out))
 """
 
@@ -219,6 +221,7 @@ def test_cross_compiles_without_shared_memory():
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
         # the grouped (MoE chain) variant waits for the previous grid and lets the next one launch
         assert r["griddepcontrol"] == (2 if r["pdl"] else 0), r
+        assert not r["pdl"] or r["wait_at"] < r["first_global"], r  # nothing read or written before the wait
 
 
 _COMPILE_KW = r"""
@@ -366,6 +369,7 @@ def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
     (the same arithmetic in the same order; contraction into FMAs may differ by an ulp before h's
     bf16 rounding)."""
     from fp4moe import guard
+    from fp4moe.ops import mma_layout
     from fp4moe.ops import moe as moe_ops
     from fp4moe.ops.moe import fp4_moe_experts, random_moe_problem
 
@@ -373,8 +377,12 @@ def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
                            dropped=(0, 7))
     kw = dict(w13_bias=p.w13_bias, w2_bias=p.w2_bias)
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # fused at this size too
+    launches = []
+    launch = mma_layout.launch_grouped_mma_swiglu
+    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", lambda *a: launches.append(1) or launch(*a))
+    guard.reset()  # the guard probes this variant here (a probe launch, then the layer's)
     fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
-    assert any("swiglu_fused" in key.kernel for key in guard._checked)  # the guard probed the fused kernel
+    assert len(launches) == 2 and any("swiglu_fused" in key.kernel for key in guard._checked)
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", False)
     split = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
     assert ((fused - split).abs().max() / split.abs().max()) < 5e-3

@@ -290,6 +290,13 @@ from fp4moe.ops.routing import RoutingConfig, compile_requests as routing_reques
 from fp4moe.models import PRESETS
 import importlib
 
+def first_memory_op_after_wait(ptx):
+    # whether griddepcontrol.wait precedes every global load, store and atomic (True when no wait)
+    ops = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global", "red.global")) if i >= 0]
+    w = ptx.find("griddepcontrol.wait")
+    return w < 0 or not ops or w < min(ops)
+
+
 out = []
 for cc in json.loads(sys.argv[1]):
     pdl = int(cc >= 90)
@@ -304,7 +311,7 @@ for cc in json.loads(sys.argv[1]):
         sig = dict(r.signature, **{k: "constexpr" for k in r.constexprs})
         c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=r.constexprs), target=GPUTarget("cuda", cc, 32),
                            options={"num_warps": r.num_warps})
-        out.append([r.kernel, cc, pdl, c.asm["ptx"].count("griddepcontrol")])
+        out.append([r.kernel, cc, pdl, c.asm["ptx"].count("griddepcontrol"), first_memory_op_after_wait(c.asm["ptx"])])
     p = "*fp32"
     i = "*i32"
     for fn, sig, cx in (
@@ -327,19 +334,21 @@ for cc in json.loads(sys.argv[1]):
         sig = dict(sig, **{k: "constexpr" for k in cx})
         c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
                            options={"num_warps": 4})
-        out.append([fn.__name__, cc, pdl, c.asm["ptx"].count("griddepcontrol")])
+        out.append([fn.__name__, cc, pdl, c.asm["ptx"].count("griddepcontrol"), first_memory_op_after_wait(c.asm["ptx"])])
 print(json.dumps(out))
 """
 
 
 def test_chain_kernels_use_pdl_from_sm90():
     """Every kernel of the MoE decode chain (routing, dispatch, the epilogues, the combine) waits for
-    the previous grid and lets the next launch (``griddepcontrol``) where the target has it, and
-    compiles without it before SM90 (the planner's requests ask what the launchers pass)."""
+    the previous grid before its first global memory access and lets the next launch
+    (``griddepcontrol``) where the target has it, and compiles without it before SM90 (the planner's
+    requests ask what the launchers pass)."""
     from layer_checks import run_compile_snippet
 
-    for name, cc, pdl, n in run_compile_snippet(_PDL_COMPILE, [80, 90]):
+    for name, cc, pdl, n, wait_first in run_compile_snippet(_PDL_COMPILE, [80, 90]):
         assert n == 2 * pdl, (name, cc, n)
+        assert wait_first, (name, cc)
 
 
 def test_fused_swiglu_needs_a_full_grid():

@@ -203,8 +203,8 @@ def fp4_linear_mma_kernel(
     c_end = gl.minimum(c_start + k_chunks_per_split, KC)
     if GROUPED:  # program axis 1: tile pid_m of the plan, rows [row_start, row_end) of expert e
         e = gl.load(tile_expert_ptr + pid_m)
-        row_start = gl.load(tile_start_ptr + pid_m)
-        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)  # unused tile: no rows
+        row_start = gl.where(e >= 0, gl.load(tile_start_ptr + pid_m), 0)  # unused tile (-1 entries): row 0 ...
+        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)  # ... and no rows
         c_end = gl.where(e >= 0, c_end, c_start)  # ... and no K steps
         if SWIGLU:
             rb_base = gl.maximum(e, 0) * (2 * NRB)  # gate blocks, then as many up blocks

@@ -84,7 +84,11 @@ def pdl_enabled(device: torch.device) -> int:
         return 0
     from ..arch import arch_for_capability
 
-    return int(arch_for_capability(torch.cuda.get_device_capability(device)).has_pdl)
+    cc = torch.cuda.get_device_capability(device)
+    try:
+        return int(arch_for_capability(cc).has_pdl)
+    except ValueError:  # not in the catalogue: griddepcontrol exists from sm_90 (PTX ISA)
+        return int(cc >= (9, 0))
 
 
 def pdl_kwargs(device: torch.device) -> dict:

@@ -75,15 +75,33 @@ class DispatchConfig:
         program; the block kernels stay at 8-13 us up to 2,048 pairs (scripts/sweep_dispatch.py,
         16..128 pairs per block). At most 16K pair x expert comparisons (64 x 256, 16 x 1024), 4
         warps up to 8K, else 8 (no spills)."""
-        block_e = max(16, _next_pow2(n_experts))
+        block_e = _block_e(n_experts)
         block_p = max(16, _next_pow2(n_pairs))
-        if n_pairs <= 64 and block_p * block_e <= 16384:
+        if n_pairs <= 64 and block_p * block_e <= SMALL_MAX_COMPARISONS:
             return DispatchConfig(block_p=block_p, fused=True, num_warps=4 if block_p * block_e <= 8192 else 8)
         return DispatchConfig(block_p=max(16, min(128, _next_pow2(-(-n_pairs // 32)))), fused=False, num_warps=4)
 
     @staticmethod
     def candidates(n_pairs: int, n_experts: int) -> list[DispatchConfig]:
-        return [DispatchConfig(bp, fused, w) for fused in (True, False) for bp in (32, 64, 128, 256) for w in (4, 8)]
+        """Every block size and warp count; fused ones that would run the one-vector program only up
+        to ``SMALL_MAX_COMPARISONS`` (past it that program measured 28-54 us at 128 pairs)."""
+        return [DispatchConfig(bp, fused, w) for fused in (True, False) for bp in (32, 64, 128, 256) for w in (4, 8)
+                if not (fused and uses_small_kernel(n_pairs, bp) and bp * _block_e(n_experts) > SMALL_MAX_COMPARISONS)]
+
+
+#: pair x expert comparisons the one-vector dispatch program takes (``DispatchConfig.from_heuristic``)
+SMALL_MAX_COMPARISONS = 16384
+
+
+def _block_e(n_experts: int) -> int:
+    """The fused kernels' expert vector width."""
+    return max(16, _next_pow2(n_experts))
+
+
+def uses_small_kernel(n_pairs: int, block_p: int) -> bool:
+    """Whether a fused configuration runs ``dispatch_small_kernel`` (all pairs in one vector) rather
+    than the chunked ``dispatch_fused_kernel``: the launcher's and the planner's choice."""
+    return n_pairs <= block_p
 
 
 @dataclass
@@ -250,14 +268,14 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
     n_tiles = torch.empty(1, **i32)
     w = config.num_warps
     pdl = pdl_kwargs(dev)
-    if config.fused and n <= config.block_p:
+    if config.fused and uses_small_kernel(n, config.block_p):
         dispatch_small_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
                                     t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
-                                    BLOCK_P=config.block_p, BLOCK_E=max(16, _next_pow2(E)), num_warps=w, **pdl)
+                                    BLOCK_P=config.block_p, BLOCK_E=_block_e(E), num_warps=w, **pdl)
     elif config.fused:
         dispatch_fused_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
                                     t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
-                                    BLOCK_P=config.block_p, BLOCK_E=max(16, _next_pow2(E)), num_warps=w, **pdl)
+                                    BLOCK_P=config.block_p, BLOCK_E=_block_e(E), num_warps=w, **pdl)
     else:
         block_e = max(16, _next_pow2(E + 1))  # bucket E: dropped pairs
         n_blocks = triton.cdiv(n, config.block_p)
@@ -393,13 +411,13 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
     w = config.num_warps
     pdl = int(get_arch(cc).has_pdl)
     if config.fused:
-        kernel = "dispatch_small_kernel" if n_pairs <= config.block_p else "dispatch_fused_kernel"
+        kernel = "dispatch_small_kernel" if uses_small_kernel(n_pairs, config.block_p) else "dispatch_fused_kernel"
         names = ("ids_ptr", "counts_ptr", "offsets_ptr", "sorted_token_ptr", "sorted_pair_ptr", "pair_row_ptr",
                  "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "n_tiles_ptr")
         sig = {**{n: i32 for n in names}, "n_pairs": "i32", "E": "i32", "max_tiles": "i32"}
         return [CompileRequest(f"fp4moe.kernels.dispatch:{kernel}", sig,
                                {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p,
-                                "BLOCK_E": max(16, _next_pow2(n_experts)), "PDL": pdl}, cc, w, 1)]
+                                "BLOCK_E": _block_e(n_experts), "PDL": pdl}, cc, w, 1)]
     block_e = max(16, _next_pow2(n_experts + 1))
     return [
         CompileRequest("fp4moe.kernels.dispatch:dispatch_histogram_kernel",

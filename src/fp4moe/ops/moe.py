@@ -443,7 +443,7 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
         bias.stride(0) if bias is not None else 0, out.stride(0),
         SPLIT=part.shape[0], BLOCK_N=block_n, BLOCK_M=plan.block_m, SWIGLU=swiglu, INTERLEAVED=interleaved,
         SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4,
-        **pdl_kwargs(out.device))
+        enable_fp_fusion=False, **pdl_kwargs(out.device))
     return out
 
 

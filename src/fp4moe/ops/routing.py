@@ -162,7 +162,7 @@ class RoutingConfig:
 
     @staticmethod
     def candidates(T: int, E: int, top_k: int) -> list[RoutingConfig]:
-        return [RoutingConfig(bt, w) for bt in (1, 2, 4, 8, 16) if bt * _next_pow2(E) <= 8192 for w in (2, 4)]
+        return [RoutingConfig(bt, w) for bt in (1, 2, 4, 8, 16) if bt * _next_pow2(E) <= 8192 for w in (1, 2, 4)]
 
 
 # ----------------------------------------------------------------------------------------------

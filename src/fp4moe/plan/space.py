@@ -770,7 +770,8 @@ class MoEGemmProblem:
     ``T`` tokens, each routed to ``top_k`` of the ``E`` experts held here (uniform routing is
     assumed by the time model). ``gemm`` 1: gate+up with SwiGLU, ``N`` = I (output columns; the
     weight tile holds 2 x BLOCK_N rows, gate and up), ``K`` = H, tokens gathered; ``gemm`` 2:
-    down, ``N`` = H, ``K`` = I, rows scattered to fp32 pair outputs with the routing weight.
+    down, ``N`` = H, ``K`` = I, rows scattered to pair outputs with the routing weight (the mma.sync
+    decode path adds them per token in the same kernel as GEMM 2's epilogue).
     mode "w4a16": x bf16/fp16; "w4a4": x quantized to NVFP4 (NVFP4 weights only).
     ``block_m``: the dispatch plan's tile height when it is fixed (both GEMMs of a layer run on
     one plan, so they must share block_m; 8 only for the mma.sync kernel); None lets the planner
@@ -982,8 +983,9 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
     """The MoE layer's grouped GEMMs at decode on the mma.sync kernel (``kernels.linear_mma``,
     GROUPED): what the runtime runs for bf16 W4A16 layers with <= 16 rows per expert (<= 8 on SM90
     when the wgmma kernel can take the layer; ``ops.moe.packed_moe_kernel``). Each GEMM writes fp32 partial sums that a Triton epilogue
-    kernel finishes (GEMM 1 of SiLU layers on gate-then-up weights runs its epilogue in the kernel,
-    ``ops.moe.fuses_swiglu``; otherwise GEMM 1's writes h); GEMM 2's is fused with the combine
+    kernel finishes. GEMM 1 of SiLU layers on gate-then-up weights runs its epilogue (globals, bias,
+    SwiGLU) in the kernel when its grid has enough programs per SM (``ops.moe.fuses_swiglu``), else
+    the epilogue kernel writes h; GEMM 2's epilogue is fused with the combine
     (``moe_partials_combine_kernel``: globals, bias, routing weight, the sum over each token's
     slots) and writes the token rows. No shared memory. The chain's kernels launch with PDL on
     SM90+ (``kernels.pdl``), which the time model does not credit."""
@@ -1026,8 +1028,11 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
     @staticmethod
     def _fused(config, problem: MoEGemmProblem, sm_count: int) -> bool:
-        """As the runtime decides (``ops.moe.fuses_swiglu``) on a GPU of ``sm_count`` SMs (the
-        compile request, which sees only the architecture: its catalogue product's)."""
+        """As the runtime decides (``ops.moe.fuses_swiglu``) on a GPU of ``sm_count`` SMs. The compile
+        request sees only the architecture and takes its catalogue product's SM count, so for another
+        product of the architecture near the threshold it may compile the other variant than
+        ``model_time`` models (and the registers it reports are that variant's: 121 against 72 on
+        SM90)."""
         from ..ops.dispatch import max_tiles
         from ..ops.moe import fused_programs_per_sm, fuses_swiglu
 
