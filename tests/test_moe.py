@@ -367,3 +367,25 @@ def test_fused_swiglu_needs_a_full_grid():
     assert not fuses_swiglu(cfg, "silu", True, 2048, per_sm[4])  # interleaved rows
     assert not fuses_swiglu(cfg, "silu", False, 2056, per_sm[4])  # up rows not on a 16-row block
     assert not fuses_swiglu(MMAConfig(block_m=8, split_k=2), "silu", False, 2048, per_sm[4])
+
+
+def test_broadcast_globals_are_expanded_once(device):
+    """A per-tensor global (or one row shared by the experts) is expanded to the kernels' [E] / [E, N]
+    once and kept until the global is written in place; per-expert globals are used as they are."""
+    from fp4moe.ops.moe import _weight_globals
+
+    w = fp4moe.quantize_stacked(torch.randn(4, 32, 64), "nvfp4").to(device)
+    per_expert, mode = _weight_globals(w)
+    assert mode == 1 and per_expert.data_ptr() == w.global_scale.data_ptr()  # [E, 1]: a view, no copy
+    one = fp4moe.FP4Tensor(w.data, w.scales, w.global_scale[:1, :1].clone(), w.shape, "nvfp4")
+    a, mode = _weight_globals(one)
+    assert mode == 1 and a.shape == (4,) and bool((a == one.global_scale.reshape(())).all())
+    assert _weight_globals(one)[0] is a  # kept
+    one.global_scale.mul_(2.0)  # written in place: expanded again
+    b = _weight_globals(one)[0]
+    assert b is not a and bool((b == one.global_scale.reshape(())).all())
+    row = fp4moe.FP4Tensor(w.data, w.scales, torch.linspace(0.5, 2.0, 32, device=device).reshape(1, 32), w.shape,
+                           "nvfp4")
+    r, mode = _weight_globals(row)
+    assert mode == 2 and r.shape == (4, 32) and torch.equal(r[3], row.global_scale[0])
+    assert _weight_globals(row)[0] is r

@@ -73,16 +73,29 @@ def choose_moe_configs(T: int, top_k: int, n_experts: int, H: int, I: int, *, ar
 def _weight_globals(w: FP4Tensor) -> tuple[torch.Tensor | None, int]:
     """The kernel's view of a stacked weight's global scales: (None, 0) for MXFP4; ([E], 1) for one
     global (per tensor or per expert [E, 1]); ([E, N], 2) for one per row (checkpoints whose gate
-    and up halves were quantized separately)."""
+    and up halves were quantized separately). A global that must be broadcast (one per tensor, or
+    one row shared by the experts) is expanded once and kept with the global tensor until that is
+    written in place: a copy per call would put a kernel between two of the decode chain's."""
     g = w.global_scale
     if g is None:
         return None, 0
     E, N = w.shape[0], w.shape[1]
-    if g.numel() == 1:
-        return g.reshape(1).expand(E).contiguous(), 1
-    if g.shape[-1] == 1:
-        return g.reshape(-1).expand(E).contiguous(), 1
-    return g.reshape(-1, N).expand(E, N).contiguous(), 2
+    if g.numel() == 1 or g.shape[-1] == 1:
+        view, mode = g.reshape(-1).expand(E), 1
+    else:
+        view, mode = g.reshape(-1, N).expand(E, N), 2
+    if view.is_contiguous():
+        return view, mode
+    from .mma_layout import _version
+
+    state = (_version(g), E, N)
+    cached = getattr(g, "_fp4moe_globals", None)
+    if cached is not None and getattr(g, "_fp4moe_globals_state", None) == state:
+        return cached, mode
+    full = view.contiguous()
+    if not (g.is_cuda and torch.cuda.is_current_stream_capturing()):  # a captured copy is written on replay only
+        g._fp4moe_globals, g._fp4moe_globals_state = full, state
+    return full, mode
 
 
 def _pair_weights(topk_weights: torch.Tensor) -> torch.Tensor:
