@@ -259,6 +259,15 @@ def _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows,
 
 
 @triton.jit
+def _store_token_row(acc, t, cols, mask, shared_ptr, out_ptr, stride_sm, stride_om, HAS_SHARED: tl.constexpr):
+    """The combines' end: token t's summed slots (fp32 ``acc`` over ``cols``) plus its shared-expert
+    row, stored in the output's dtype."""
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t.to(tl.int64) * stride_sm + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def moe_partials_combine_kernel(
     part_ptr,  # [SPLIT, R, H] fp32 partial sums of W_e @ h^T per sorted row (GEMM 2 of kernels.linear_mma, grouped)
     wg_ptr, bias_ptr,  # GEMM 2's weight globals and bias, as moe_gemm_kernel
@@ -300,9 +309,7 @@ def moe_partials_combine_kernel(
         if HAS_BIAS:
             g += tl.load(bias_ptr + e * stride_be + cols, mask=m, other=0.0).to(tl.float32)
         acc += g * tl.load(row_w_ptr + p, mask=kept, other=0.0)
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + t.to(tl.int64) * stride_sm + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_token_row(acc, t, cols, mask, shared_ptr, out_ptr, stride_sm, stride_om, HAS_SHARED)
 
 
 @triton.jit
@@ -327,6 +334,4 @@ def moe_combine_kernel(
         kept = (e >= 0) & (e < E)
         acc += tl.load(y_pair_ptr + (t * TOP_K + s).to(tl.int64) * stride_pm + cols, mask=mask & kept,
                        other=0.0).to(tl.float32)
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + t.to(tl.int64) * stride_sm + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_token_row(acc, t, cols, mask, shared_ptr, out_ptr, stride_sm, stride_om, HAS_SHARED)

@@ -87,8 +87,8 @@ def pdl_enabled(device: torch.device) -> int:
     cc = torch.cuda.get_device_capability(device)
     try:
         return int(arch_for_capability(cc).has_pdl)
-    except ValueError:  # not in the catalogue: griddepcontrol exists from sm_90 (PTX ISA)
-        return int(cc >= (9, 0))
+    except ValueError:  # not in the catalogue: launch without PDL (it only hides launch gaps)
+        return 0
 
 
 def pdl_kwargs(device: torch.device) -> dict:

@@ -367,8 +367,6 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     # the MoE chain (dispatch -> GEMM -> epilogue) launches with PDL; the plain linear's split-K path does not
     pdl = pdl_kwargs(x2.device) if plan is not None else {"PDL": 0, "launch_pdl": False}
     wg, wg_mode = globals_
-    if swiglu and split != 1:
-        raise ValueError(f"config.split_k: the fused SwiGLU epilogue needs whole K per program, got {split} splits")
     if wg is None:
         wg = p.global_scale
     fp4_linear_mma_kernel[(triton.cdiv(N, config.block_n), grid_m, split)](
@@ -456,18 +454,24 @@ def launch_linear_mma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | No
     return out
 
 
+def _check_grouped(p: MMAPackedFP4, plan, config: MMAConfig) -> None:
+    """What both grouped launches need: the plan made for the configuration's tile height, and the
+    experts packed without global scales (the MoE epilogues apply them)."""
+    if plan.block_m != config.block_m:
+        raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    if p.global_scale is not None:
+        raise ValueError("p: grouped weights are packed without global scales")
+
+
 def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, config: MMAConfig, *,
                        gather: bool) -> torch.Tensor:
     """Partial sums ``part[s, r, :] = W_e @ x[row(r)]`` over the K share of split s, for every sorted
     row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``), e the
     row's expert. ``p`` packs the experts' weights stacked [E * n_per_expert, K] without global
     scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32."""
-    if plan.block_m != config.block_m:
-        raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    _check_grouped(p, plan, config)
     if config.kw > 1:
         raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")
-    if p.global_scale is not None:
-        raise ValueError("p: grouped weights are packed without global scales")
     R = plan.sorted_pair.shape[0]
     split = _split(config, p.words.shape[1])[1]
     part = torch.empty((split, R, n_per_expert), dtype=torch.float32, device=x2.device)
@@ -482,14 +486,11 @@ def launch_grouped_mma_swiglu(x2: torch.Tensor, p: MMAPackedFP4, n_out: int, pla
     n_out) and up rows [n_out, 2 n_out), with ``globals_`` (``ops.moe._weight_globals``) and
     ``bias`` [E, 2 n_out] applied as ``moe_partials_epilogue_kernel`` does. ``p`` packs the
     experts' [E * 2 n_out, K] rows without global scales; n_out a multiple of 16; no K split."""
-    if plan.block_m != config.block_m:
-        raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
+    _check_grouped(p, plan, config)
     if config.kw > 1 or config.split_k > 1:
         raise ValueError(f"config: the fused SwiGLU epilogue needs whole K per program, got {config}")
     if n_out % ROWS:
         raise ValueError(f"n_out: the up rows start a whole 16-row block after the gate rows, got {n_out}")
-    if p.global_scale is not None:
-        raise ValueError("p: grouped weights are packed without global scales")
     _launch(x2, p, bias, out, plan.sorted_pair.shape[0], n_out, config, plan.max_tiles, plan=plan, gather=True,
             stride_ym=out.stride(0), swiglu=True, globals_=globals_)
     return out

@@ -434,9 +434,10 @@ def _empty_outputs(logits: torch.Tensor, k: int):
 
 
 def _empty_stats(logits: torch.Tensor, k0: int):
-    """OEA's statistics of no tokens (no experts; k0 > 0), or exact routing's placeholders (k0 = 0;
-    ``route`` returns no stats): left uninitialised, so that exact routing launches nothing after
-    its kernel (two fills here cost the H200 decode layer ~1.8 us between routing and dispatch)."""
+    """OEA's statistics of no tokens (no experts; k0 > 0), or, for exact routing (k0 = 0), the custom
+    op's stats outputs, which ``route`` drops (it returns ``stats=None``): left uninitialised, so that
+    exact routing launches nothing after its kernel (two fills here cost the H200 decode layer
+    ~1.8 us between routing and dispatch)."""
     dev = logits.device
     make = torch.zeros if k0 else torch.empty
     n = logits.shape[0] if k0 else 0
