@@ -20,10 +20,11 @@ from fp4moe.ops.mma_layout import MMAConfig
 def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
     base = moe_ops.mma_moe_config(T * k / E)
     out = [base]
-    for warps in (2, 4, 8):
-        for rb in (1, 2):
-            for kh in (2, 4):
-                out.append(replace(base, warps=warps, rb=rb, kh=kh))
+    for block_m in dict.fromkeys((base.block_m, 8)):
+        for warps in (2, 4, 8):
+            for rb in (1, 2):
+                for kh in (2, 4):
+                    out.append(replace(base, warps=warps, rb=rb, kh=kh, block_m=block_m))
     return list(dict.fromkeys(out))
 
 
