@@ -4,11 +4,15 @@ variants (partial sums + epilogue kernel, or the SwiGLU epilogue in the kernel),
 what the heuristics ``ops.moe.mma_moe_config`` and ``FUSED_SWIGLU_MIN_PROGRAMS_PER_SM`` should pick.
 Session 10 measured only the defaults: one token 59.0 us unfused against 63.1 fused, four tokens
 188.9 against 181.3. Each configuration's output is checked against the default's first. GPU only
-(not yet run: written at the end of session 10 with no GPU time left; it compiles ~24 Gluon
-kernels, minutes, so start with ``--tokens 1,4``); ``--dry-run`` lists the configurations (CPU).
-Usage: PYTHONPATH=src python3 scripts/sweep_moe_decode.py [--tokens 1,2,4] [--out DIR] [--dry-run]"""
+(it compiles ~24 Gluon kernels per batch: minutes); ``--dry-run`` lists the configurations (CPU).
+``--configs mma_n64_m16_k256_w2:u,...`` times only those (``:u`` unfused, ``:f`` fused GEMM 1), and
+``--repeat R`` times every (batch, configuration, variant) R times, round-robin, so that a drift of
+the GPU's clocks spreads over all of them instead of favouring the first.
+Usage: PYTHONPATH=src python3 scripts/sweep_moe_decode.py [--tokens 1,2,4] [--configs ...] [--repeat R]
+[--out DIR] [--dry-run]"""
 import argparse
 import json
+import re
 from dataclasses import replace
 
 import torch
@@ -28,10 +32,21 @@ def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
     return list(dict.fromkeys(out))
 
 
+def parse(name: str) -> tuple[MMAConfig, bool]:
+    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}:{u|f}`` -> (configuration, fused)."""
+    m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+):([uf])", name)
+    if not m:
+        raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>:u or :f, got {name!r}")
+    n, bm, k, w = (int(g) for g in m.groups()[:4])
+    return MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=1), m.group(5) == "f"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--out")
+    ap.add_argument("--configs", help="comma-separated mma_n.._m.._k.._w..:u|f (default: the candidates x both)")
+    ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -39,9 +54,14 @@ def main() -> None:
 
     spec = get_model("glm-5")
     E, H, I, k = spec.n_experts, spec.hidden, spec.expert_intermediate, spec.routing.top_k
+    def runs(T: int) -> list[tuple[MMAConfig, bool]]:
+        if args.configs:
+            return [parse(c) for c in args.configs.split(",")]
+        return [(cfg, fused) for cfg in candidates(T, k, E) for fused in (False, True)]
+
     if args.dry_run:
         for T in tokens:
-            print(T, [str(c) for c in candidates(T, k, E)])
+            print(T, [f"{c}:{'f' if f else 'u'}" for c, f in runs(T)])
         return
 
     from fp4moe.bench.moe import _router
@@ -59,22 +79,23 @@ def main() -> None:
         logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
         layer = lambda: moe_ops.moe_experts(x, w13, w2, *route(logits, None)[:2])  # noqa: E731
         ref = layer().float()
-        for cfg in candidates(T, k, E):
-            for fused in (False, True):
+        for rep in range(args.repeat):
+            for cfg, fused in runs(T):
                 moe_ops.mma_moe_config = lambda rows, c=cfg: c
                 moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = 0 if fused else float("inf")
                 try:
                     err = float(((layer().float() - ref).abs().max() / ref.abs().max()))
                     us = time_cuda_graph(layer, iters_per_graph=10, reps=10).median_us if err < 2e-2 else None
-                    row = dict(T=T, config=str(cfg), fused=fused, us=us, rel_err=err)
+                    row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=us, rel_err=err)
                 except Exception as exc:  # a configuration that does not compile or launch
-                    row = dict(T=T, config=str(cfg), fused=fused, us=None, error=repr(exc)[:300])
+                    row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=None, error=repr(exc)[:300])
                 finally:
                     moe_ops.mma_moe_config, moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = default_cfg, default_min
                 res.append(row)
                 print(row, flush=True)
     if args.out:
-        with open(f"{args.out}/sweep-moe-decode-h200.json", "w") as f:
+        name = "sweep-moe-decode-h200" + ("-configs" if args.configs else "")
+        with open(f"{args.out}/{name}.json", "w") as f:
             json.dump(res, f, indent=1)
 
 
