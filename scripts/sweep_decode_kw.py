@@ -1,13 +1,10 @@
 """GPU check and sweep of the in-program K split of the W4A16 decode kernel
 (``MMAConfig.kw`` > 1, ``fp4_linear_mma_kw_kernel``): correctness against the reference on odd
 shapes (both formats, bias, padded K), run-to-run determinism, then timings on the GLM-5 shapes
-against the current default (grid split K + reduction kernel), with and without PDL. ``--xpre``:
-the checks with ``MMAConfig.xpre`` too, then only the heuristic's configuration and a few others,
-each with and without x requested a step ahead, three times round-robin.
-Usage: PYTHONPATH=src python3 scripts/sweep_decode_kw.py [--out DIR] [--quick] [--xpre]"""
+against the current default (grid split K + reduction kernel), with and without PDL.
+Usage: PYTHONPATH=src python3 scripts/sweep_decode_kw.py [--out DIR] [--quick]"""
 import json
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -25,8 +22,6 @@ def check(res: dict) -> None:
     cfgs = [MMAConfig(rb=1, warps=1, kw=4, kh=4, block_m=8), MMAConfig(rb=1, warps=2, kw=8, kh=2, block_m=8, pdl=1),
             MMAConfig(rb=2, warps=1, kw=4, kh=4, block_m=16, pdl=2), MMAConfig(rb=1, warps=2, kw=2, kh=4, block_m=16, pdl=2),
             MMAConfig(rb=4, warps=1, kw=4, kh=1, block_m=16)]
-    if "--xpre" in sys.argv:
-        cfgs += [replace(c, xpre=True) for c in cfgs]
     for fmt in (NVFP4, MXFP4):
         for (M, N, K) in cases:
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -66,15 +61,9 @@ def sweep(res: dict, quick: bool) -> None:
             else:
                 shapes = [(rb, warps, kw, kh) for rb in (1, 2) for warps in (1, 2) for kw in (4, 8) for kh in (2, 4)]
                 shapes += [(4, 1, 4, 1), (4, 1, 8, 1), (4, 1, 4, 2), (4, 2, 4, 1)]
-            if "--xpre" in sys.argv:
-                shapes = [(1, 1, 4, 4), (1, 1, 8, 2)] if M <= 8 else [(2, 1, 4, 2), (1, 2, 4, 4), (1, 1, 8, 2)]
-                cfgs += [MMAConfig(rb=rb, warps=warps, kw=kw, kh=kh, block_m=bm, pdl=2) for (rb, warps, kw, kh) in shapes]
-                cfgs = list(dict.fromkeys(cfgs))
-                cfgs = [c for c in cfgs for c in (c, replace(c, xpre=True))] * 3
-            else:
-                for (rb, warps, kw, kh) in shapes:
-                    for pdl in (0, 1, 2):
-                        cfgs.append(MMAConfig(rb=rb, warps=warps, kw=kw, kh=kh, block_m=bm, pdl=pdl))
+            for (rb, warps, kw, kh) in shapes:
+                for pdl in (0, 1, 2):
+                    cfgs.append(MMAConfig(rb=rb, warps=warps, kw=kw, kh=kh, block_m=bm, pdl=pdl))
             for c in cfgs:
                 try:
                     t = time_cuda_graph(rotating(lambda p: launch_linear_mma(x, p, None, y, c), [(p,) for p in ps]),
@@ -93,8 +82,7 @@ def main() -> None:
     check(res)
     sweep(res, "--quick" in sys.argv)
     if out_dir:
-        name = "sweep-decode-xpre-h200" if "--xpre" in sys.argv else "sweep-decode-kw-h200"
-        with open(f"{out_dir}/{name}.json", "w") as f:
+        with open(f"{out_dir}/sweep-decode-kw-h200.json", "w") as f:
             json.dump(res, f, indent=1)
     print("checks failed:", sum(not r["ok"] for r in res["check"]))
 

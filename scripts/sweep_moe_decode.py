@@ -33,13 +33,12 @@ def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
 
 
 def parse(name: str) -> tuple[MMAConfig, bool]:
-    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}[_xp]:{u|f}`` -> (configuration, fused)."""
-    m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(_xp)?:([uf])", name)
+    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}:{u|f}`` -> (configuration, fused)."""
+    m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+):([uf])", name)
     if not m:
-        raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>[_xp]:u or :f, got {name!r}")
+        raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>:u or :f, got {name!r}")
     n, bm, k, w = (int(g) for g in m.groups()[:4])
-    cfg = MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=1, xpre=bool(m.group(5)))
-    return cfg, m.group(6) == "f"
+    return MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=1), m.group(5) == "f"
 
 
 def main() -> None:

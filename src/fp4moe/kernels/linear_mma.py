@@ -143,15 +143,6 @@ def x_layout(block_m: int, kh: int, warps: int) -> gl.DistributedLinearLayout:
 
 
 @gluon.jit
-def _load_x(x_ptrs, offs_k, c0, K_X, EVEN_K: gl.constexpr):
-    """x of the step at 64-K chunk ``c0``: [BLOCK_M, BLOCK_K] (``offs_k`` its K offsets in the step;
-    K_X past the stored K reads zeros, the padded weights being zero too)."""
-    if EVEN_K:
-        return gl.load(x_ptrs + c0 * 64)
-    return gl.load(x_ptrs + c0 * 64, mask=gl.expand_dims(c0 * 64 + offs_k < K_X, 0), other=0.0)
-
-
-@gluon.jit
 def fp4_linear_mma_kernel(
     wq_ptr,  # int32 words [N/16, K/64, 32, 4]
     sc_ptr,  # int16 scale pairs [N/16, K/64, 32] (NVFP4) or [N/16, K/64, 8, 2] (MXFP4)
@@ -182,7 +173,6 @@ def fp4_linear_mma_kernel(
     PDL: gl.constexpr,  # programmatic dependent launch: wait for the previous grid before any load (kernels.pdl)
     SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
     WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
-    XPRE: gl.constexpr = False,  # x of the next step requested with its weights (a register double buffer)
 ):
     """With SWIGLU each program also runs the expert's up rows (N row blocks below its gate rows)
     through a second accumulator of the same layout, so a thread holds the gate and the up sum of
@@ -258,16 +248,13 @@ def fp4_linear_mma_kernel(
         acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
         w_u = gl.load(w_ptrs_u + c_start * 128)
         s_u = gl.load(s_ptrs_u + c_start * S_STEP)
-    if XPRE:  # chunk c_start is in range even for an unused tile (no K steps)
-        x_nxt = _load_x(x_ptrs, offs_k, c_start, K_X, EVEN_K)
     for c0 in range(c_start, c_end, KH):
-        # the next step's weights (and with XPRE its x) are requested before this step's decoding
+        if EVEN_K:
+            xt = gl.load(x_ptrs + c0 * 64)
+        else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
+            xt = gl.load(x_ptrs + c0 * 64, mask=gl.expand_dims(c0 * 64 + offs_k < K_X, 0), other=0.0)
+        # the next step's weights are requested before this step's decoding (register double buffer)
         c_next = gl.minimum(c0 + KH, c_end - KH)
-        if XPRE:
-            xt = x_nxt
-            x_nxt = _load_x(x_ptrs, offs_k, c_next, K_X, EVEN_K)
-        else:
-            xt = _load_x(x_ptrs, offs_k, c0, K_X, EVEN_K)
         w_next = gl.load(w_ptrs + c_next * 128)
         s_next = gl.load(s_ptrs + c_next * S_STEP)
         if SWIGLU:
@@ -347,14 +334,6 @@ def _arange5(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.conste
 
 
 @gluon.jit
-def _load_x_kw(x_ptrs, x_k, c0, K_X, EVEN_K: gl.constexpr):
-    """``_load_x`` for the in-program K split: x [KW, BLOCK_M, BLOCK_K] (``x_k`` the K offsets)."""
-    if EVEN_K:
-        return gl.load(x_ptrs + c0 * 64)
-    return gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
-
-
-@gluon.jit
 def fp4_linear_mma_kw_kernel(
     wq_ptr, sc_ptr, x_ptr, wg_ptr, bias_ptr,
     y_ptr,  # [M, N] (stride_ym, 1)
@@ -366,7 +345,6 @@ def fp4_linear_mma_kw_kernel(
     EVEN_K: gl.constexpr,  # K_X == K
     PDL: gl.constexpr,  # programmatic dependent launch: 0 off; 1 wait for the previous grid before any
     # load; 2 request the first weight step, then wait (the previous kernel must not write the weights)
-    XPRE: gl.constexpr = False,  # x of the next step requested with its weights (a register double buffer)
 ):
     """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
     KW groups of WARPS warps each sum a K slice of the same BLOCK_N x BLOCK_M tile, and the program
@@ -422,15 +400,12 @@ def fp4_linear_mma_kw_kernel(
     if PDL != 2:
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
-    if XPRE:
-        x_nxt = _load_x_kw(x_ptrs, x_k, 0, K_X, EVEN_K)
     for c0 in range(0, k_chunks_per_slice, KH):
+        if EVEN_K:
+            xt = gl.load(x_ptrs + c0 * 64)
+        else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
+            xt = gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
         c_next = gl.minimum(c0 + KH, c_last)
-        if XPRE:
-            xt = x_nxt
-            x_nxt = _load_x_kw(x_ptrs, x_k, c_next, K_X, EVEN_K)
-        else:
-            xt = _load_x_kw(x_ptrs, x_k, c0, K_X, EVEN_K)
         w_next = gl.load(w_ptrs + c_next * 128)
         s_next = gl.load(s_ptrs + c_next * S_STEP)
         wd = decode_a_operand_kw(w, s, KW, NB, KH, DECODE, SCALE, a_layout)

@@ -178,9 +178,7 @@ class MMAConfig:
     over ``kw`` groups of ``warps`` warps inside each program instead (``fp4_linear_mma_kw_kernel``,
     plain linear only; one launch, no partial sums), and ``pdl`` launches it with programmatic
     dependent launch: 1 waits for the previous kernel before its first load, 2 requests its first
-    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``).
-    ``xpre`` requests each step's x with the weights one step ahead (a second register buffer of x)
-    instead of at the start of the step."""
+    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``)."""
 
     rb: int = 1
     warps: int = 4
@@ -189,7 +187,6 @@ class MMAConfig:
     split_k: int = 1
     kw: int = 1
     pdl: int = 0
-    xpre: bool = False
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -222,8 +219,7 @@ class MMAConfig:
         split = f"_split{self.split_k}" if self.split_k > 1 else ""
         kw = f"_kw{self.kw}" if self.kw > 1 else ""
         pdl = ("", "_pdl", "_pdl2")[self.pdl]
-        xpre = "_xp" if self.xpre else ""
-        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xpre}"
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}"
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -347,8 +343,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         chunks // kw, RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, FOLD=FOLD_E8M0 if mx else FOLD_E4M3,
         DECODE=DECODE_ASM, SCALE=scale_asm(mx), X_LAYOUT=x_layout_kw(config.block_m, kh, config.warps, kw),
-        EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, XPRE=config.xpre, num_warps=config.warps * kw,
-        launch_pdl=pdl > 0,
+        EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, num_warps=config.warps * kw, launch_pdl=pdl > 0,
     )
     return out
 
@@ -383,8 +378,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
         FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
-        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode, XPRE=config.xpre,
-        num_warps=config.warps, **pdl,
+        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode, num_warps=config.warps, **pdl,
     )
     return split
 
@@ -415,8 +409,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                           SCALE=scale_asm(mx),
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
                                     "args": [config.block_m, kh, config.warps, kw]},
-                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0,
-                          XPRE=config.xpre)
+                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
@@ -434,8 +427,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
-                      PDL=int(grouped and get_arch(cc).has_pdl), SWIGLU=swiglu, WG_MODE=wg_mode if swiglu else 0,
-                      XPRE=config.xpre)
+                      PDL=int(grouped and get_arch(cc).has_pdl), SWIGLU=swiglu, WG_MODE=wg_mode if swiglu else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=divisible)
