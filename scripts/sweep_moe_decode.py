@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from fp4moe.ops import moe as moe_ops
-from fp4moe.ops.mma_layout import MMAConfig
+from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
 
 
 def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
@@ -32,11 +32,18 @@ def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
     return list(dict.fromkeys(out))
 
 
-def parse(name: str) -> tuple[MMAConfig, bool]:
-    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}:{u|f}`` -> (configuration, fused)."""
+def parse(name: str) -> tuple[MMAConfig | WgmmaConfig, bool]:
+    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}:{u|f}`` -> (configuration, fused), or
+    ``wgmma_m{block_m}_s{stages}_w{warps}_r{repeats}:f`` (the wgmma kernel, whose GEMM 1 always
+    fuses the activation) -> (configuration, True)."""
+    g = re.fullmatch(r"wgmma_m(\d+)_s(\d+)_w(\d+)_r(\d+):f", name)
+    if g:
+        bm, st, w, r = (int(v) for v in g.groups())
+        return WgmmaConfig(block_m=bm, stages=st, warps=w, repeats=r), True
     m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+):([uf])", name)
     if not m:
-        raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>:u or :f, got {name!r}")
+        raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>:u or :f, or wgmma_m<M>_s<S>_w<W>_r<R>:f, "
+                         f"got {name!r}")
     n, bm, k, w = (int(g) for g in m.groups()[:4])
     return MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=1), m.group(5) == "f"
 
@@ -73,6 +80,7 @@ def main() -> None:
     w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
     route = _router(spec)
     default_cfg, default_min = moe_ops.mma_moe_config, moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM
+    default_wgmma = moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config
     res = []
     for T in tokens:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -81,8 +89,11 @@ def main() -> None:
         ref = layer().float()
         for rep in range(args.repeat):
             for cfg, fused in runs(T):
-                moe_ops.mma_moe_config = lambda rows, c=cfg: c
-                moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = 0 if fused else float("inf")
+                if isinstance(cfg, WgmmaConfig):  # every batch on the wgmma kernel
+                    moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config = 0, lambda rows, c=cfg: c
+                else:
+                    moe_ops.mma_moe_config = lambda rows, c=cfg: c
+                    moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = 0 if fused else float("inf")
                 try:
                     err = float(((layer().float() - ref).abs().max() / ref.abs().max()))
                     us = time_cuda_graph(layer, iters_per_graph=10, reps=10).median_us if err < 2e-2 else None
@@ -91,6 +102,7 @@ def main() -> None:
                     row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=None, error=repr(exc)[:300])
                 finally:
                     moe_ops.mma_moe_config, moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = default_cfg, default_min
+                    moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config = default_wgmma
                 res.append(row)
                 print(row, flush=True)
     if args.out:
