@@ -66,7 +66,9 @@ def test_moe_config_choice():
     from fp4moe.arch import get_arch
     from fp4moe.ops.moe import WGMMA_MOE_MIN_ROWS, packed_moe_kernel
 
-    assert isinstance(mma_moe_config(3.0), MMAConfig)
+    assert mma_moe_config(3.0) == MMAConfig(rb=1, warps=4, kh=4, block_m=8, split_k=1)
+    # past 4 rows per expert: 16-row tiles, two row blocks per warp share each x fragment
+    assert mma_moe_config(8.0) == MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
     assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
     assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)

@@ -405,11 +405,16 @@ def mma_packed_experts(w: FP4Tensor):
 
 
 def mma_moe_config(rows_per_expert: float):
-    """One configuration for both grouped GEMMs: tiles of 8 rows (16 past 4 rows per expert), 64
-    weight rows and 256 K per step; no K split (the active experts' row blocks fill the GPU)."""
+    """One configuration for both grouped GEMMs, no K split (the active experts' row blocks fill the
+    GPU): tiles of 8 rows, 64 weight rows and 256 K per step; past 4 rows per expert 16-row tiles
+    of 128 weight rows and 128 K per step (two row blocks per warp share each x fragment: GLM-5 at
+    256 tokens, H200, ``scripts/sweep_moe_decode.py``, benchmarks/raw/sweep-moe-decode-h200.json:
+    median 1,737-1,824 us over seven runs against 1,811-1,912 with one row block and 256 K)."""
     from .mma_layout import MMAConfig
 
-    return MMAConfig(rb=1, warps=4, kh=4, block_m=8 if rows_per_expert <= 4 else 16, split_k=1)
+    if rows_per_expert <= 4:
+        return MMAConfig(rb=1, warps=4, kh=4, block_m=8, split_k=1)
+    return MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
 
 
 def wgmma_moe_config(rows_per_expert: float):
