@@ -33,22 +33,20 @@ def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
 
 
 def parse(name: str) -> tuple[MMAConfig | WgmmaConfig, bool]:
-    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}[_split{s}][_st{stages}]:{u|f}`` -> (configuration,
-    fused), or
+    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}[_split{s}]:{u|f}`` -> (configuration, fused), or
     ``wgmma_m{block_m}_s{stages}_w{warps}_r{repeats}:f`` (the wgmma kernel, whose GEMM 1 always
     fuses the activation) -> (configuration, True)."""
     g = re.fullmatch(r"wgmma_m(\d+)_s(\d+)_w(\d+)_r(\d+):f", name)
     if g:
         bm, st, w, r = (int(v) for v in g.groups())
         return WgmmaConfig(block_m=bm, stages=st, warps=w, repeats=r), True
-    m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_st(\d+))?:([uf])", name)
+    m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?:([uf])", name)
     if not m:
         raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>:u or :f, or wgmma_m<M>_s<S>_w<W>_r<R>:f, "
                          f"got {name!r}")
     n, bm, k, w = (int(g) for g in m.groups()[:4])
-    split, stages = int(m.group(5) or 1), int(m.group(6) or 0)
-    cfg = MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=split, stages=stages)
-    return cfg, m.group(7) == "f"
+    split = int(m.group(5) or 1)
+    return MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=split), m.group(6) == "f"
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ Triton kernel, with the same split-K partial-sum convention (``splitk_reduce_ker
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 # Decode one word (8 E2M1 codes, nibble p = 4*i0 + 2*i2 + i1 of fragment value (i2, i1, i0)) with
 # its two block scales (bf16x2, from ``_SCALE_ASM``) into the 8 bf16 A-fragment values. Nibble
@@ -173,8 +173,6 @@ def fp4_linear_mma_kernel(
     PDL: gl.constexpr,  # programmatic dependent launch: wait for the previous grid before any load (kernels.pdl)
     SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
     WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
-    STAGES: gl.constexpr = 0,  # 0: the next step's weights in registers; >= 2: a ring of STAGES steps
-    # in shared memory filled by cp.async, STAGES - 1 steps ahead (more bytes in flight, no registers)
 ):
     """With SWIGLU each program also runs the expert's up rows (N row blocks below its gate rows)
     through a second accumulator of the same layout, so a thread holds the gate and the up sum of
@@ -241,57 +239,26 @@ def fp4_linear_mma_kernel(
     x_ptrs = x_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(offs_k, 0)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    w = gl.load(w_ptrs + c_start * 128)
+    s = gl.load(s_ptrs + c_start * S_STEP)
     if SWIGLU:  # the up rows: NRB row blocks further on
         up_chunks = NRB.to(gl.int64) * KC
         w_ptrs_u = w_ptrs + up_chunks * 128
         s_ptrs_u = s_ptrs + up_chunks * S_STEP
         acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    if STAGES > 0:
-        # each thread copies and later reads back its own 16-byte words: no barrier between them
-        ring_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
-        ring = gl.allocate_shared_memory(gl.int32, [STAGES, NB, KH, 32, 4], ring_layout)
-        if SWIGLU:
-            ring_u = gl.allocate_shared_memory(gl.int32, [STAGES, NB, KH, 32, 4], ring_layout)
-        c_last = gl.maximum(c_end - KH, c_start)  # steps past the end re-read the last (or, none, the first)
-        for i in gl.static_range(STAGES - 1):
-            c_i = gl.minimum(c_start + i * KH, c_last)
-            async_copy.async_copy_global_to_shared(ring.index(i), w_ptrs + c_i * 128)
-            if SWIGLU:
-                async_copy.async_copy_global_to_shared(ring_u.index(i), w_ptrs_u + c_i * 128)
-            async_copy.commit_group()
-    else:
-        w = gl.load(w_ptrs + c_start * 128)
-        if SWIGLU:
-            w_u = gl.load(w_ptrs_u + c_start * 128)
-    s = gl.load(s_ptrs + c_start * S_STEP)
-    if SWIGLU:
+        w_u = gl.load(w_ptrs_u + c_start * 128)
         s_u = gl.load(s_ptrs_u + c_start * S_STEP)
     for c0 in range(c_start, c_end, KH):
         if EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)
         else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
             xt = gl.load(x_ptrs + c0 * 64, mask=gl.expand_dims(c0 * 64 + offs_k < K_X, 0), other=0.0)
-        # the next step's scales (and, STAGES = 0, weights) are requested before this step's decoding
+        # the next step's weights are requested before this step's decoding (register double buffer)
         c_next = gl.minimum(c0 + KH, c_end - KH)
-        if STAGES > 0:
-            # step STAGES - 1 ahead into the slot the previous step read (its registers consumed since)
-            it = (c0 - c_start) // KH
-            c_pf = gl.minimum(c0 + (STAGES - 1) * KH, c_end - KH)
-            slot_pf = (it + STAGES - 1) % STAGES
-            async_copy.async_copy_global_to_shared(ring.index(slot_pf), w_ptrs + c_pf * 128)
-            if SWIGLU:
-                async_copy.async_copy_global_to_shared(ring_u.index(slot_pf), w_ptrs_u + c_pf * 128)
-            async_copy.commit_group()
-            async_copy.wait_group(STAGES - 1)
-            w = ring.index(it % STAGES).load(w_layout)
-            if SWIGLU:
-                w_u = ring_u.index(it % STAGES).load(w_layout)
-        else:
-            w_next = gl.load(w_ptrs + c_next * 128)
-            if SWIGLU:
-                w_u_next = gl.load(w_ptrs_u + c_next * 128)
+        w_next = gl.load(w_ptrs + c_next * 128)
         s_next = gl.load(s_ptrs + c_next * S_STEP)
         if SWIGLU:
+            w_u_next = gl.load(w_ptrs_u + c_next * 128)
             s_u_next = gl.load(s_ptrs_u + c_next * S_STEP)
         wd = decode_a_operand(w, s, NB, KH, DECODE, SCALE, a_layout)
         # x from stored K order (kc, t, kl, i2, i0) to MMA order (kc, kl, i2, t, i0)
@@ -300,14 +267,10 @@ def fp4_linear_mma_kernel(
         acc = mma_v2(wd, xb, acc)
         if SWIGLU:
             acc_u = mma_v2(decode_a_operand(w_u, s_u, NB, KH, DECODE, SCALE, a_layout), xb, acc_u)
+            w_u = w_u_next
             s_u = s_u_next
-            if STAGES == 0:
-                w_u = w_u_next
-        if STAGES == 0:
-            w = w_next
+        w = w_next
         s = s_next
-    if STAGES > 0:
-        async_copy.wait_group(0)  # no copy into the ring outlives the program
 
     out = acc
     if FOLD != 1.0:

@@ -178,10 +178,7 @@ class MMAConfig:
     over ``kw`` groups of ``warps`` warps inside each program instead (``fp4_linear_mma_kw_kernel``,
     plain linear only; one launch, no partial sums), and ``pdl`` launches it with programmatic
     dependent launch: 1 waits for the previous kernel before its first load, 2 requests its first
-    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``).
-    ``stages`` (``fp4_linear_mma_kernel`` only) >= 2: the weights come through a shared-memory ring of
-    that many steps, filled by cp.async ``stages`` - 1 steps ahead, instead of one step ahead in
-    registers (0)."""
+    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``)."""
 
     rb: int = 1
     warps: int = 4
@@ -190,7 +187,6 @@ class MMAConfig:
     split_k: int = 1
     kw: int = 1
     pdl: int = 0
-    stages: int = 0
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -212,10 +208,6 @@ class MMAConfig:
             raise ValueError(f"MMAConfig: warps * kw = {self.warps * self.kw} warps per program, at most 16")
         if self.pdl not in (0, 1, 2):
             raise ValueError(f"MMAConfig.pdl: expected 0, 1 or 2, got {self.pdl}")
-        if self.stages not in (0, 2, 3, 4, 5, 6):
-            raise ValueError(f"MMAConfig.stages: expected 0 (registers) or 2..6, got {self.stages}")
-        if self.stages and self.kw > 1:
-            raise ValueError("MMAConfig.stages: the shared-memory weight ring is for the kernel without kw")
         if self.pdl and self.kw == 1:
             raise ValueError("MMAConfig.pdl: only the in-program K split (kw > 1) launches with PDL")
 
@@ -227,8 +219,7 @@ class MMAConfig:
         split = f"_split{self.split_k}" if self.split_k > 1 else ""
         kw = f"_kw{self.kw}" if self.kw > 1 else ""
         pdl = ("", "_pdl", "_pdl2")[self.pdl]
-        stages = f"_st{self.stages}" if self.stages else ""
-        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{stages}"
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}"
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -387,8 +378,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
         FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
-        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode, STAGES=config.stages,
-        num_warps=config.warps, **pdl,
+        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode, num_warps=config.warps, **pdl,
     )
     return split
 
@@ -437,8 +427,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
-                      PDL=int(grouped and get_arch(cc).has_pdl), SWIGLU=swiglu, WG_MODE=wg_mode if swiglu else 0,
-                      STAGES=config.stages)
+                      PDL=int(grouped and get_arch(cc).has_pdl), SWIGLU=swiglu, WG_MODE=wg_mode if swiglu else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=divisible)
