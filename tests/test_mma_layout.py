@@ -189,39 +189,54 @@ from fp4moe.kernels import linear_mma as L
 from fp4moe.plan.crosscompile import mma_instructions
 import re
 out = []
-for cc, rb, kh, bm, mx, grouped in json.loads(sys.argv[1]):
+for cc, rb, kh, bm, mx, grouped, plan_ready in json.loads(sys.argv[1]):
     fn = L.fp4_linear_mma_kernel
+    pdl = (2 if plan_ready else 1) if grouped and cc >= 90 else 0
     sig = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
            "y_ptr": "*fp32", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32",
            "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "k_chunks_per_split": "i32", "stride_ge": "i32", "stride_be": "i32"}
     cx = dict(RB=rb, WARPS=4, KH=kh, BLOCK_M=bm, MXFP4=mx, HAS_WG=not mx, HAS_BIAS=True, SPLIT_K=2, FOLD=256.0,
               DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), X_LAYOUT=L.x_layout(bm, kh, 4), EVEN_K=True,
-              GROUPED=grouped, GATHER=grouped, PDL=int(grouped and cc >= 90), SWIGLU=False, WG_MODE=0)
+              GROUPED=grouped, GATHER=grouped and not plan_ready, PDL=pdl, SWIGLU=False, WG_MODE=0)
     sig.update({k: "constexpr" for k in cx})
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": 4})
     log = c.asm.get("ptxas_log", "") if hasattr(c, "asm") else ""
     spills = re.findall(r"(\d+) bytes spill", str(c.metadata))
-    out.append({"cc": cc, "shared": c.metadata.shared, "mma": mma_instructions(c.asm["ptx"]),
-                "n_regs": getattr(c, "n_regs", None), "ldshared": c.asm["ptx"].count("ld.shared"),
-                "griddepcontrol": c.asm["ptx"].count("griddepcontrol"), "pdl": int(grouped and cc >= 90),
-                "wait_at": c.asm["ptx"].find("griddepcontrol.wait"),
-                "first_global": min(i for i in (c.asm["ptx"].find(o) for o in ("ld.global", "st.global")) if i >= 0)})
+    ptx = c.asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    out.append({"cc": cc, "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+                "n_regs": getattr(c, "n_regs", None), "ldshared": ptx.count("ld.shared"),
+                "griddepcontrol": ptx.count("griddepcontrol"), "pdl": pdl,
+                "wait_at": wait,
+                "first_global": min(i for i in (ptx.find(o) for o in ("ld.global", "st.global")) if i >= 0),
+                "first_store": ptx.find("st.global"),
+                # loads before the wait: (tile map through L2, the rest)
+                "early_loads": [ptx[:wait].count("ld.global.cg"), ptx[:wait].count("ld.global") - ptx[:wait].count("ld.global.cg")],
+                "loads": ptx.count("ld.global")})
 print(json.dumps(out))
 """
 
 
 def test_cross_compiles_without_shared_memory():
-    """Plain and grouped (MoE) variants."""
-    cases = [(80, 1, 4, 8, False, False), (90, 2, 4, 16, False, False), (90, 1, 4, 8, True, False),
-             (120, 2, 4, 16, False, False), (90, 1, 4, 8, False, True), (120, 1, 4, 16, True, True)]
+    """Plain and grouped (MoE) variants; the grouped one as GEMM 2 (``plan_ready``) too."""
+    cases = [(80, 1, 4, 8, False, False, False), (90, 2, 4, 16, False, False, False),
+             (90, 1, 4, 8, True, False, False), (120, 2, 4, 16, False, False, False),
+             (90, 1, 4, 8, False, True, False), (120, 1, 4, 16, True, True, False),
+             (90, 1, 4, 8, False, True, True), (120, 2, 2, 16, True, True, True), (80, 1, 4, 8, False, True, True)]
     for r in run_compile_snippet(_COMPILE, cases):
         assert r["shared"] == 0 and r["ldshared"] == 0, r  # operands never go through shared memory
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
         # the grouped (MoE chain) variant waits for the previous grid and lets the next one launch
         assert r["griddepcontrol"] == (2 if r["pdl"] else 0), r
-        assert not r["pdl"] or r["wait_at"] < r["first_global"], r  # nothing read or written before the wait
+        if r["pdl"] == 1:
+            assert r["wait_at"] < r["first_global"], r  # nothing read or written before the wait
+        if r["pdl"] == 2:
+            # the tile map (through L2) and the first step's weights and scales before the wait, x (the
+            # previous kernel's output) and every store after it
+            assert r["wait_at"] < r["first_store"], r
+            assert r["early_loads"][0] == 3 and 0 < r["early_loads"][1] < r["loads"] // 2, r
 
 
 _COMPILE_KW = r"""
@@ -306,7 +321,9 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     p = random_moe_problem(T, E, k, H, I, fmt.name, device="cpu", seed=7, per_row=per_row, bias=bias, dropped=(2, 1))
     x, w13, w2, ids, wts, b13, b2 = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias, p.w2_bias
 
-    def emulated(x2, p, n_per_expert, plan, config, *, gather):
+    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False):
+        # GEMM 2 (no gather) runs two kernels after dispatch: it may read the plan before its PDL wait
+        assert plan_ready == (not gather)
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
         R = plan.sorted_pair.shape[0]
         part = torch.full((1, R, n_per_expert), float("nan"))  # rows no tile covers must never be read

@@ -170,7 +170,9 @@ def fp4_linear_mma_kernel(
     EVEN_K: gl.constexpr,  # K_X == K (no padding along K)
     GROUPED: gl.constexpr,  # axis 1 runs over the tiles of an MoE dispatch plan (one expert each)
     GATHER: gl.constexpr,  # GROUPED: x rows through row_x_ptr (tokens), else the sorted rows themselves
-    PDL: gl.constexpr,  # programmatic dependent launch: wait for the previous grid before any load (kernels.pdl)
+    PDL: gl.constexpr,  # programmatic dependent launch (kernels.pdl): 1 wait for the previous grid before any
+    # load; 2 (GROUPED) read the tile map and request the first weight step, then wait: the plan must come
+    # from a kernel that completed before the previous one passed its wait (MoE GEMM 2, two kernels on)
     SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
     WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
 ):
@@ -192,7 +194,7 @@ def fp4_linear_mma_kernel(
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
     x_layout: gl.constexpr = X_LAYOUT
 
-    if PDL:
+    if PDL == 1:
         _pdl_enter()
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
@@ -202,9 +204,10 @@ def fp4_linear_mma_kernel(
     c_start = pid_k * k_chunks_per_split
     c_end = gl.minimum(c_start + k_chunks_per_split, KC)
     if GROUPED:  # program axis 1: tile pid_m of the plan, rows [row_start, row_end) of expert e
-        e = gl.load(tile_expert_ptr + pid_m)
-        row_start = gl.where(e >= 0, gl.load(tile_start_ptr + pid_m), 0)  # unused tile (-1 entries): row 0 ...
-        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m), row_start)  # ... and no rows
+        # through L2 (.cg): with PDL = 2 these loads run before the wait, and no L1 line may be stale
+        e = gl.load(tile_expert_ptr + pid_m, cache_modifier=".cg")
+        row_start = gl.where(e >= 0, gl.load(tile_start_ptr + pid_m, cache_modifier=".cg"), 0)  # unused tile
+        row_end = gl.where(e >= 0, gl.load(tile_end_ptr + pid_m, cache_modifier=".cg"), row_start)  # (-1): row 0, no rows
         c_end = gl.where(e >= 0, c_end, c_start)  # ... and no K steps
         if SWIGLU:
             rb_base = gl.maximum(e, 0) * (2 * NRB)  # gate blocks, then as many up blocks
@@ -248,6 +251,8 @@ def fp4_linear_mma_kernel(
         acc_u = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
         w_u = gl.load(w_ptrs_u + c_start * 128)
         s_u = gl.load(s_ptrs_u + c_start * S_STEP)
+    if PDL == 2:  # x (the previous kernel's output) and every store come after the wait
+        _pdl_enter()
     for c0 in range(c_start, c_end, KH):
         if EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)

@@ -349,10 +349,11 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
 
 
 def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
-            gather: bool = False, stride_ym: int = 0, swiglu: bool = False, globals_=(None, 0)):
+            gather: bool = False, stride_ym: int = 0, swiglu: bool = False, globals_=(None, 0),
+            plan_ready: bool = False):
     """The one launch of ``fp4_linear_mma_kernel`` (plain, or GROUPED over an MoE plan's tiles;
     ``swiglu``: MoE GEMM 1 with its epilogue, N outputs, ``globals_`` as ``ops.moe._weight_globals``,
-    ``bias`` [E, 2N] or None)."""
+    ``bias`` [E, 2N] or None; ``plan_ready`` as ``launch_grouped_mma``'s)."""
     import triton
 
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kernel, scale_asm, x_layout
@@ -366,6 +367,8 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     tiles = (plan.tile_expert, plan.tile_start, plan.tile_end) if plan is not None else (unused,) * 3
     # the MoE chain (dispatch -> GEMM -> epilogue) launches with PDL; the plain linear's split-K path does not
     pdl = pdl_kwargs(x2.device) if plan is not None else {"PDL": 0, "launch_pdl": False}
+    if plan_ready and pdl["PDL"]:
+        pdl = {"PDL": 2, "launch_pdl": True}
     wg, wg_mode = globals_
     if wg is None:
         wg = p.global_scale
@@ -384,12 +387,13 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
 
 
 def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
-                        grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0):
+                        grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0,
+                        plan_ready: bool = False):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
-    for MoE GEMM 1), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does (bf16 h, ``wg_mode`` and
-    ``has_bias`` as the weight's)."""
+    for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
+    (bf16 h, ``wg_mode`` and ``has_bias`` as the weight's)."""
     from ..formats import get_format
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
     from ..plan.crosscompile import CompileRequest
@@ -427,7 +431,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
-                      PDL=int(grouped and get_arch(cc).has_pdl), SWIGLU=swiglu, WG_MODE=wg_mode if swiglu else 0)
+                      PDL=(2 if plan_ready else 1) if grouped and get_arch(cc).has_pdl else 0, SWIGLU=swiglu,
+                      WG_MODE=wg_mode if swiglu else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=divisible)
@@ -464,18 +469,22 @@ def _check_grouped(p: MMAPackedFP4, plan, config: MMAConfig) -> None:
 
 
 def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, config: MMAConfig, *,
-                       gather: bool) -> torch.Tensor:
+                       gather: bool, plan_ready: bool = False) -> torch.Tensor:
     """Partial sums ``part[s, r, :] = W_e @ x[row(r)]`` over the K share of split s, for every sorted
     row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``), e the
     row's expert. ``p`` packs the experts' weights stacked [E * n_per_expert, K] without global
-    scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32."""
+    scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32.
+    ``plan_ready``: the plan was written at least two kernels before this one in the PDL chain (MoE
+    GEMM 2), so with PDL the kernel reads it and requests its first weight step before it waits for
+    the previous kernel (whose launch already waited for the plan's writer to complete)."""
     _check_grouped(p, plan, config)
     if config.kw > 1:
         raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")
     R = plan.sorted_pair.shape[0]
     split = _split(config, p.words.shape[1])[1]
     part = torch.empty((split, R, n_per_expert), dtype=torch.float32, device=x2.device)
-    _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather)
+    _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather,
+            plan_ready=plan_ready)
     return part
 
 

@@ -520,7 +520,8 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
         launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved,
                                  scatter=False, row_weight=None, bias=w13_bias)
-    part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False)
+    # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two kernels back
+    part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False, plan_ready=True)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
 

@@ -1022,7 +1022,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
         # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
-                                   gather=problem.gemm == 1,
+                                   gather=problem.gemm == 1, plan_ready=problem.gemm == 2,
                                    swiglu=self._fused(config, problem, default_gpu(arch).sm_count),
                                    wg_mode=1 if problem.fmt == "nvfp4" else 0)
 
