@@ -341,6 +341,48 @@ def test_time_model_waves_split_and_bound():
                                                                        path="w4a4_native"), find_gpu("h100"))
 
 
+def test_time_model_tracks_the_h200_measurements():
+    """The W4A16 time model (sustained rates and a cost per kernel, ``plan.space.SUSTAINED_DRAM``,
+    ``SUSTAINED_MMA``, ``KERNEL_US``) against every W4A16 row of the committed H200 linear benchmark,
+    with the configuration the runtime ran: within 0.8-1.9x of the measured time everywhere, and
+    within 0.9-1.3x where the kernels are near their bound (M <= 4 and M >= 1024 on the two large
+    GLM-5 shapes)."""
+    import pathlib
+
+    from fp4moe.arch import find_gpu
+    from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
+
+    h200 = find_gpu("h200")
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "linear-h200.json"
+    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("mode") == "w4a16" and r.get("us")]
+    assert len(rows) >= 32
+    mma = get_kernel("fp4_linear_mma")
+    wgmma = get_kernel("fp4_linear_wgmma")
+    for r in rows:
+        N, K = (int(v) for v in r["shape"].split("x"))
+        problem = LinearProblem(r["M"], N, K, fmt=r["fmt"])
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_kw(\d+))?(?:_pdl(\d?))?", r["config"])
+        if m:
+            n, bm, k, w = (int(g) for g in m.groups()[:4])
+            pdl = 0 if m.group(6) is None else int(m.group(6) or 1)
+            cfg = MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=1, kw=int(m.group(5) or 1),
+                            pdl=pdl)
+            t = mma.model_time(cfg, problem, h200)
+        else:
+            g = re.fullmatch(r"wgmma_n(\d+)_m(\d+)_s(\d+)_g(\d+)(?:_r(\d))?(?:_split(\d+))?", r["config"])
+            assert g, r["config"]
+            reps = int(g.group(5) or 2)
+            warps = int(g.group(1)) // (16 * reps)
+            cfg = WgmmaConfig(block_m=int(g.group(2)), stages=int(g.group(3)), group_m=int(g.group(4)), warps=warps,
+                              repeats=reps, split_k=int(g.group(6) or 1))
+            assert str(cfg) == r["config"], (cfg, r["config"])
+            t = wgmma.model_time(cfg, problem, h200)
+        ratio = r["us"] / t.us
+        assert 0.8 < ratio < 1.9, (r["shape"], r["M"], r["config"], r["us"], t.us)
+        if N * K == 12288 * 6144 and (r["M"] <= 4 or r["M"] >= 1024):
+            assert 0.9 < ratio < 1.3, (r["shape"], r["M"], r["config"], r["us"], t.us)
+
+
 # ------------------------------------------------------------------------------ registry and space
 
 

@@ -207,7 +207,7 @@ def plan_command(
     limit = target.smem_per_block_optin
     table = Table(title=f"{spec.name} on {product.name if product else target.name} ({target.name}, "
                         f"{limit:,} B shared memory per block), tp={tp} ep={ep}, {mode}")
-    for col in ("tokens", "op", "N×K (M)", "configuration", "shared memory", "regs", "MMA", "µs (model)", "of peak"):
+    for col in ("tokens", "op", "N×K (M)", "configuration", "shared memory", "regs", "MMA", "µs (model)", "of roofline"):
         table.add_column(col, overflow="fold")
     for (t, name, op, r), row in zip(planned, rows):
         if r.kernel in _GROUPED_KERNELS:

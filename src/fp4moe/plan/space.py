@@ -70,6 +70,28 @@ L2_BANDWIDTH_FACTOR = 3.0
 #: the split-K reduction pays it. Typical measured gaps between graph-launched kernels are 1-3 us.
 SECOND_KERNEL_US = 2.0
 
+#: What the model takes as reachable, as fractions of the catalogue's datasheet rates: DRAM at the
+#: copy bandwidth (4,257 of 4,800 GB/s on the H200, every benchmark run here), tensor cores at what
+#: torch's bf16 matmul sustains (680-711 of 989 TFLOP/s in the same runs; the FP4 and FP8 peaks get
+#: the same factor, not measured). Measured on the H200 only and assumed for every GPU.
+SUSTAINED_DRAM = 0.887
+SUSTAINED_MMA = 0.72
+
+#: Launch, ramp-up and drain of one kernel under CUDA-graph replay, beyond its bytes at the
+#: sustained bandwidth (H200, W4A16 decode at M = 1 on the large GLM-5 shapes: 12.9-13.0 us
+#: measured against 10.0-10.1 at copy bandwidth; 2.5 us on 6144x2048).
+KERNEL_US = 2.5
+
+
+def _bandwidth(gpu: GPU) -> float:
+    """Sustained DRAM bandwidth in bytes per microsecond (``SUSTAINED_DRAM``)."""
+    return gpu.mem_bandwidth_gbs * 1e3 * SUSTAINED_DRAM
+
+
+def _mma_rate(peak_tflops: float) -> float:
+    """Sustained FLOPs per microsecond of a datasheet peak (``SUSTAINED_MMA``)."""
+    return peak_tflops * 1e6 * SUSTAINED_MMA
+
 
 def default_gpu(arch: Arch) -> GPU:
     """The catalogue product that stands for ``arch`` when no GPU is named: the first listed."""
@@ -117,10 +139,17 @@ class MmaExpectation:
 class TimeEstimate:
     """A roofline estimate of one configuration on one GPU (microseconds).
 
-    ``bound_us`` is the problem's own roofline (least bytes at full bandwidth against unpadded
-    FLOPs at peak); ``us`` adds what the configuration costs: padded tiles, waves, SMs left idle,
-    the split-K partial sums and their reduction. ``fraction = bound_us / us``.
-    """
+    ``bound_us`` is the problem's own roofline (least bytes at the sustained bandwidth against
+    unpadded FLOPs at the sustained tensor rate: ``SUSTAINED_DRAM``, ``SUSTAINED_MMA``); ``us``
+    adds what the configuration costs: padded tiles, waves, SMs left idle, the split-K partial
+    sums and their reduction, and each kernel's launch and ramp (``KERNEL_US``).
+    ``fraction = bound_us / us``. ``peak_tflops`` is the datasheet's. Against the H200's measured
+    times (session 11, with the configurations that ran) the W4A16 linear's estimate is within
+    1.02-1.24x at M <= 4 and M >= 1024 on the two large GLM-5 shapes, 0.87-1.31x at M = 64 to 16384
+    elsewhere, and low by 1.3-1.8x at M = 16, at M <= 4 on 4096x6144 and at M = 256 on 4096x6144
+    (benchmarks/linear-h200.json; ``tests/test_plan.py``); the MoE decode GEMMs' within 0.88-1.24x
+    (ncu durations, benchmarks/raw/ncu). It ranks configurations; it does not predict every loss
+    of a kernel."""
 
     us: float
     bound_us: float
@@ -191,17 +220,18 @@ def _roofline(gpu: GPU, *, nbytes: float, flops: float, peak_tflops: float, prog
     sm_count``: quantisation over the SM count (``waves``, programs over resident slots, is
     reported). Memory: ``nbytes`` from DRAM and ``l2_bytes`` (every program's operand tiles)
     from L2 at ``L2_BANDWIDTH_FACTOR`` times the DRAM bandwidth; with fewer programs than SMs
-    only that fraction of the SMs issue loads (one SM cannot draw the chip's bandwidth).
+    only that fraction of the SMs issue loads (one SM cannot draw the chip's bandwidth). Rates are
+    the sustained ones (``SUSTAINED_DRAM``, ``SUSTAINED_MMA``), plus ``KERNEL_US`` per kernel.
     """
     slots = gpu.sm_count * ctas_per_sm
     waves = _cdiv(programs, slots)
     per_sm = _cdiv(programs, gpu.sm_count)
-    compute_us = per_sm * (flops / programs) / (peak_tflops * 1e6 / gpu.sm_count)
+    compute_us = per_sm * (flops / programs) / (_mma_rate(peak_tflops) / gpu.sm_count)
     busy = min(1.0, programs / gpu.sm_count)
-    bandwidth = gpu.mem_bandwidth_gbs * 1e3 * busy  # bytes per microsecond
+    bandwidth = _bandwidth(gpu) * busy  # bytes per microsecond
     memory_us = max(nbytes / bandwidth, l2_bytes / (L2_BANDWIDTH_FACTOR * bandwidth))
     limiter: Literal["memory", "compute"] = "memory" if memory_us >= compute_us else "compute"
-    return max(memory_us, compute_us) + extra_us, limiter, waves
+    return max(memory_us, compute_us) + KERNEL_US + extra_us, limiter, waves
 
 
 # ------------------------------------------------------------------------------------------
@@ -385,12 +415,12 @@ class LinearSpec(KernelSpec[LinearProblem, Any]):
         ctas = arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
         extra = 0.0
         if split > 1:  # the reduction kernel reads the partials and writes y
-            extra = (split * M * N * 4 + M * N * 2) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            extra = (split * M * N * 4 + M * N * 2) / _bandwidth(gpu) + SECOND_KERNEL_US
             notes.append(f"split-K {split}: fp32 partials and a reduction kernel")
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=extra)
         # the problem's own roofline: W, x and y once, unpadded FLOPs, the path's peak
-        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
+        bound = max((w_once + x_once + y_once) / _bandwidth(gpu), 2 * M * N * K / _mma_rate(peak))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
@@ -541,11 +571,11 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         notes = []
         extra = 0.0
         if split > 1:
-            extra = (split * M * N * 4 + y_once) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            extra = (split * M * N * 4 + y_once) / _bandwidth(gpu) + SECOND_KERNEL_US
             notes.append(f"split-K {split}: fp32 partials and a reduction kernel")
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=tiles_n * x_once, extra_us=extra)
-        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
+        bound = max((w_once + x_once + y_once) / _bandwidth(gpu), 2 * M * N * K / _mma_rate(peak))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
@@ -611,12 +641,12 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
         notes = ["activations re-ordered into MMA K order by a separate pass"]
         extra = SECOND_KERNEL_US
         if split > 1:
-            extra += (2 * split * M * N * 4 + y_once) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            extra += (2 * split * M * N * 4 + y_once) / _bandwidth(gpu) + SECOND_KERNEL_US
             notes.append(f"split-K {split}: fp32 partials and a reduction kernel")
         programs = tiles_m * tiles_n * split
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes, extra_us=extra)
-        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * M * N * K / (peak * 1e6))
+        bound = max((w_once + x_once + y_once) / _bandwidth(gpu), 2 * M * N * K / _mma_rate(peak))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves,
                             ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
@@ -746,7 +776,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         notes = []
         extra = 0.0
         if problem.dynamic:  # absmax pass: reads x once more, one more kernel
-            extra = M * K * xb / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+            extra = M * K * xb / _bandwidth(gpu) + SECOND_KERNEL_US
             notes.append("dynamic global scale: an absmax pass reads x first")
         smem = self.smem_model(config, problem, gpu.arch).total
         ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
@@ -754,7 +784,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate: roughly 1/16 of the dense bf16 tensor rate
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, extra_us=extra)
-        bound = nbytes / (gpu.mem_bandwidth_gbs * 1e3)
+        bound = nbytes / _bandwidth(gpu)
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
@@ -971,7 +1001,7 @@ class MoEGemmSpec(KernelSpec[MoEGemmProblem, Any]):
         ctas = arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes)
-        bound = max((w_once + x_once + y_once) / (gpu.mem_bandwidth_gbs * 1e3), 2 * R * rows_w * K / (peak * 1e6))
+        bound = max((w_once + x_once + y_once) / _bandwidth(gpu), 2 * R * rows_w * K / _mma_rate(peak))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
 
@@ -1061,12 +1091,12 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         peak = gpu.bf16_dense_tflops
         ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=0)
         # the epilogue kernel reads the partials and writes h (GEMM 1 unfused) or the tokens' rows
-        extra = 0.0 if fused else (partials + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3) + SECOND_KERNEL_US
+        extra = 0.0 if fused else (partials + out_bytes) / _bandwidth(gpu) + SECOND_KERNEL_US
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=tiles * w_expert + tiles_n * x_rows,
                                        extra_us=extra)
-        bound = max((experts * w_expert + x_rows + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3),
-                    2 * problem.pairs * w_rows * problem.K / (peak * 1e6))
+        bound = max((experts * w_expert + x_rows + out_bytes) / _bandwidth(gpu),
+                    2 * problem.pairs * w_rows * problem.K / _mma_rate(peak))
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak,
                             notes=("SwiGLU epilogue in the kernel",) if fused else
@@ -1143,8 +1173,8 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
         us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
                                        ctas_per_sm=ctas, l2_bytes=l2_bytes,
                                        extra_us=SECOND_KERNEL_US if problem.gemm == 1 else 0.0)
-        bound = max((experts * w_expert + x_rows + out_bytes) / (gpu.mem_bandwidth_gbs * 1e3),
-                    2 * problem.pairs * w_rows * problem.K / (peak * 1e6))
+        bound = max((experts * w_expert + x_rows + out_bytes) / _bandwidth(gpu),
+                    2 * problem.pairs * w_rows * problem.K / _mma_rate(peak))
         notes = (f"{tiles} row tiles of {bm} over {experts} experts (uniform routing)",)
         return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
                             bytes=nbytes, flops=flops, peak_tflops=peak, notes=notes)
