@@ -8,7 +8,6 @@ Usage: PYTHONPATH=src python3 scripts/sweep_moe_tails.py [--out DIR]
 (benchmarks/raw/sweep-moe-tails-split-h200.json is an earlier version, commit e6ec365, that ran
 the tails as a second launch and tried GEMM 2 on two warpgroups of one repeat.)"""
 import argparse
-import itertools
 import json
 import os
 from dataclasses import replace

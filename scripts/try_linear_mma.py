@@ -1,11 +1,11 @@
 """GPU check and sweep of the MMA-layout W4A16 kernel (kernels/linear_mma.py) against the reference
 and the Triton kernel: correctness on odd shapes, then timings on the GLM-5 shapes.
 Usage: PYTHONPATH=src python3 scripts/try_linear_mma.py [--out DIR]"""
-import json, sys, time
+import json, sys
 import torch
 from fp4moe.formats import NVFP4, MXFP4
 from fp4moe.quantize import quantize
-from fp4moe.ops.linear import fp4_linear_reference, launch_linear, choose_config, LinearConfig
+from fp4moe.ops.linear import fp4_linear_reference, launch_linear, choose_config
 from fp4moe.ops.mma_layout import pack_mma, launch_linear_mma, MMAConfig, choose_mma_config
 from fp4moe.bench.timing import time_cuda_graph, measure_copy_bandwidth, rotating, rotation_count, l2_bytes
 
@@ -59,7 +59,6 @@ for (N, K) in shapes:
             res["time"].append(dict(kernel="mma", N=N, K=K, M=M, cfg=str(c), us=t, frac=bound_us / t))
             if best is None or t < best[1]: best = (c, t)
         oc = choose_config(M, N, K, path="w4a16", arch=None, sm_count=132)
-        from fp4moe.arch import get_arch
         t_old = time_cuda_graph(rotating(lambda q: launch_linear(x, None, q, None, y, "w4a16", oc), [(q,) for q in ws]), iters_per_graph=20, reps=10).median_us
         t_def = [r["us"] for r in res["time"] if r["N"] == N and r["K"] == K and r["M"] == M and r["cfg"] == str(base)][0]
         print(f"N={N} K={K} M={M}: bound {bound_us:.1f}us old {t_old:.1f} ({bound_us/t_old:.0%}) mma default {base} {t_def:.1f} ({bound_us/t_def:.0%}) best {best[0]} {best[1]:.1f} ({bound_us/best[1]:.0%})", flush=True)

@@ -5,7 +5,7 @@ import json, sys, traceback
 import torch
 from fp4moe.formats import NVFP4, MXFP4
 from fp4moe.quantize import quantize, quantize_stacked
-from fp4moe.ops.linear import fp4_linear_reference, launch_linear, choose_config
+from fp4moe.ops.linear import fp4_linear_reference, launch_linear, choose_config, device_arch
 from fp4moe.ops.mma_layout import pack_mma, launch_linear_wgmma, WgmmaConfig
 from fp4moe.ops import moe as moe_ops
 from fp4moe.ops.dispatch import dispatch
@@ -101,8 +101,6 @@ for (N, K) in shapes:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         t_torch = time_cuda_graph(lambda: torch.matmul(x, wb.t()), iters_per_graph=10, reps=10).median_us
-        cfg_t = choose_config(M, N, K, path="w4a16", arch=None)
-        from fp4moe.ops.linear import device_arch
         cfg_t = choose_config(M, N, K, path="w4a16", arch=device_arch(x.device))
         t_triton = time_cuda_graph(lambda: launch_linear(x, None, w, None, y, "w4a16", cfg_t), iters_per_graph=10,
                                    reps=10).median_us
@@ -135,8 +133,6 @@ for T in ((4096,) if quick else (1024, 4096)):
                 return moe_ops._run_wgmma(x, w13, w2, packed, ids, wts, plan, cfg, k, "silu", None, None, None,
                                           torch.empty(T, H, device=dev, dtype=torch.bfloat16))
             row[str(cfg)] = time_cuda_graph(run, iters_per_graph=3, reps=5).median_us
-    cfgs_t = moe_ops.choose_moe_configs(T, k, E, H, I, arch=None)
-    from fp4moe.ops.linear import device_arch
     cfgs_t = moe_ops.choose_moe_configs(T, k, E, H, I, arch=device_arch(x.device))
     row["triton_us"] = time_cuda_graph(lambda: moe_ops.fp4_moe_experts(x, w13, w2, ids, wts, configs=cfgs_t),
                                        iters_per_graph=3, reps=5).median_us

@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from fp4moe import FP4Tensor
 from fp4moe import dequantize as dequantize_fp4
 from fp4moe.checkpoints import Checkpoint, CheckpointError, write_checkpoint
 from fp4moe.checkpoints.policy import match_exclude, quantize_decision
