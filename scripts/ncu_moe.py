@@ -7,19 +7,15 @@ import sys
 
 import torch
 
-from fp4moe.bench.moe import _router
+from fp4moe.bench.moe import _router, random_experts
 from fp4moe.models import get_model
-from fp4moe.ops.moe import mma_packed_experts, moe_experts
-from fp4moe.quantize import quantize_stacked
+from fp4moe.ops.moe import moe_experts
 
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 spec = get_model("glm-5")
 E, H, I = spec.n_experts, spec.hidden, spec.expert_intermediate
 gen = torch.Generator(device="cuda").manual_seed(0)
-w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
-w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
-mma_packed_experts(w13)
-mma_packed_experts(w2)
+w13, w2 = random_experts(E, H, I, spec.fmt, gen)
 route = _router(spec)
 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
 logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)

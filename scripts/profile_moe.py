@@ -6,20 +6,16 @@ import sys
 
 import torch
 
-from fp4moe.bench.moe import _router
+from fp4moe.bench.moe import _router, random_experts
 from fp4moe.bench.timing import kernel_times, time_cuda_graph
 from fp4moe.models import get_model
-from fp4moe.ops.moe import mma_packed_experts, moe_experts
-from fp4moe.quantize import quantize_stacked
+from fp4moe.ops.moe import moe_experts
 
 tokens = [int(t) for t in sys.argv[sys.argv.index("--tokens") + 1].split(",")] if "--tokens" in sys.argv else [4096, 1024]
 spec = get_model("glm-5")
 E, H, I = spec.n_experts, spec.hidden, spec.expert_intermediate
 gen = torch.Generator(device="cuda").manual_seed(0)
-w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
-w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
-mma_packed_experts(w13)
-mma_packed_experts(w2)
+w13, w2 = random_experts(E, H, I, spec.fmt, gen)
 route = _router(spec)
 for T in tokens:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)

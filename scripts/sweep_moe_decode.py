@@ -5,14 +5,14 @@ what the heuristics ``ops.moe.mma_moe_config`` and ``FUSED_SWIGLU_MIN_PROGRAMS_P
 Session 10 measured only the defaults: one token 59.0 us unfused against 63.1 fused, four tokens
 188.9 against 181.3. Each configuration's output is checked against the default's first. GPU only
 (it compiles ~24 Gluon kernels per batch: minutes); ``--dry-run`` lists the configurations (CPU).
-``--configs mma_n64_m16_k256_w2:u,...`` times only those (``:u`` unfused, ``:f`` fused GEMM 1), and
+``--configs mma_n64_m16_k256_w2:u,wgmma_n128_m16_s4_g8:f,...`` times only those (``:u`` unfused,
+``:f`` fused GEMM 1), and
 ``--repeat R`` times every (batch, configuration, variant) R times, round-robin, so that a drift of
 the GPU's clocks spreads over all of them instead of favouring the first.
 Usage: PYTHONPATH=src python3 scripts/sweep_moe_decode.py [--tokens 1,2,4] [--configs ...] [--repeat R]
 [--out DIR] [--dry-run]"""
 import argparse
 import json
-import re
 from dataclasses import replace
 
 import torch
@@ -33,27 +33,25 @@ def candidates(T: int, k: int, E: int) -> list[MMAConfig]:
 
 
 def parse(name: str) -> tuple[MMAConfig | WgmmaConfig, bool]:
-    """``mma_n{block_n}_m{block_m}_k{64 kh}_w{warps}[_split{s}]:{u|f}`` -> (configuration, fused), or
-    ``wgmma_m{block_m}_s{stages}_w{warps}_r{repeats}:f`` (the wgmma kernel, whose GEMM 1 always
-    fuses the activation) -> (configuration, True)."""
-    g = re.fullmatch(r"wgmma_m(\d+)_s(\d+)_w(\d+)_r(\d+):f", name)
-    if g:
-        bm, st, w, r = (int(v) for v in g.groups())
-        return WgmmaConfig(block_m=bm, stages=st, warps=w, repeats=r), True
-    m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?:([uf])", name)
-    if not m:
-        raise SystemExit(f"--configs: expected mma_n<N>_m<M>_k<K>_w<W>:u or :f, or wgmma_m<M>_s<S>_w<W>_r<R>:f, "
-                         f"got {name!r}")
-    n, bm, k, w = (int(g) for g in m.groups()[:4])
-    split = int(m.group(5) or 1)
-    return MMAConfig(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=split), m.group(6) == "f"
+    """A configuration as the sweep prints it plus ``:u`` (GEMM 1 unfused) or ``:f`` (fused), e.g.
+    ``mma_n128_m16_k128_w4:f`` or ``wgmma_n128_m16_s4_g8:f`` (the wgmma kernel's GEMM 1 always fuses
+    the activation) -> (configuration, fused)."""
+    cfg, _, variant = name.partition(":")
+    try:
+        config = WgmmaConfig.parse(cfg) if cfg.startswith("wgmma_") else MMAConfig.parse(cfg)
+    except ValueError as err:
+        raise SystemExit(f"--configs: {err}") from None
+    if variant not in ("u", "f") or (isinstance(config, WgmmaConfig) and variant != "f"):
+        raise SystemExit(f"--configs: expected a configuration name then :u or :f (wgmma: :f), got {name!r}")
+    return config, variant == "f"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--out")
-    ap.add_argument("--configs", help="comma-separated mma_n.._m.._k.._w..:u|f (default: the candidates x both)")
+    ap.add_argument("--configs", help="comma-separated configuration names with :u or :f (default: the candidates "
+                                      "x both)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
@@ -72,13 +70,11 @@ def main() -> None:
             print(T, [f"{c}:{'f' if f else 'u'}" for c, f in runs(T)])
         return
 
-    from fp4moe.bench.moe import _router
+    from fp4moe.bench.moe import _router, random_experts
     from fp4moe.bench.timing import time_cuda_graph
-    from fp4moe.quantize import quantize_stacked
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
-    w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), spec.fmt)
+    w13, w2 = random_experts(E, H, I, spec.fmt, gen)
     route = _router(spec)
     default_cfg, default_min = moe_ops.mma_moe_config, moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM
     default_wgmma = moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config

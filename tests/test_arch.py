@@ -493,3 +493,15 @@ def test_detected_json_round_trip():
 def test_as_dict_rejects_other_objects():
     with pytest.raises(TypeError):
         as_dict({"name": "sm90"})  # type: ignore[arg-type]
+
+
+def test_sustained_rates_are_the_measured_fractions_of_the_datasheet():
+    """What the planner's time model takes as reachable: the H200's copy bandwidth (4,257 of 4,800
+    GB/s) and torch's bf16 matmul rate (~711 of 989 TFLOP/s), as fractions applied to every product."""
+    from fp4moe.arch import GPU, find_gpu
+
+    h200 = find_gpu("h200")
+    assert abs(h200.sustained_bandwidth_gbs - 4257) < 5
+    assert 700 < GPU.sustained_tflops(h200.bf16_dense_tflops) < 720
+    pro = find_gpu("rtx pro 6000")
+    assert pro.sustained_bandwidth_gbs < pro.mem_bandwidth_gbs and GPU.sustained_tflops(1.0) < 1.0

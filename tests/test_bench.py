@@ -224,3 +224,21 @@ def test_run_linear_bench_small(tmp_path):
         assert (row["us"] is not None) != bool(row["error"]), row
     assert all(r["torch_us"] for r in rows if r["kind"] == "linear")  # the baseline does not depend on fp4
     write_results("linear-test", environment(), rows, tmp_path, ceilings=ceilings)
+
+
+def test_random_experts_are_the_seeded_stacked_weights():
+    """``bench.moe.random_experts`` (the benchmark's and the MoE scripts' weights): w13 [E, 2I, H] then
+    w2 [E, H, I] drawn in that order from the generator, quantized expert by expert, one global scale
+    per expert; the same seed gives the same bytes."""
+    from fp4moe.bench.moe import random_experts
+    from fp4moe.quantize import quantize_stacked
+
+    E, H, I = 3, 64, 32
+    w13, w2 = random_experts(E, H, I, "nvfp4", torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)
+    ref13 = quantize_stacked(torch.randn(E, 2 * I, H, dtype=torch.bfloat16, generator=gen), "nvfp4")
+    ref2 = quantize_stacked(torch.randn(E, H, I, dtype=torch.bfloat16, generator=gen), "nvfp4")
+    assert tuple(w13.shape) == (E, 2 * I, H) and tuple(w2.shape) == (E, H, I)
+    for got, ref in ((w13, ref13), (w2, ref2)):
+        assert torch.equal(got.data, ref.data) and torch.equal(got.scales, ref.scales)
+        assert torch.equal(got.global_scale, ref.global_scale) and got.global_scale.numel() == E

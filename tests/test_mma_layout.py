@@ -430,3 +430,21 @@ def test_pack_follows_in_place_weight_updates():
     with torch.inference_mode():  # inference tensors count no writes: packed once
         v = quantize(torch.randn(32, 128), "nvfp4")
         assert mma_packed(v) is mma_packed(v)
+
+
+def test_config_names_parse_back():
+    """``MMAConfig.parse`` / ``WgmmaConfig.parse`` invert ``str`` (the names benchmark and sweep
+    records carry), and refuse other names."""
+    from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
+
+    mma = [MMAConfig(), MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1), MMAConfig(split_k=4, kh=1),
+           MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=2), MMAConfig(rb=4, warps=2, kh=1, kw=8, pdl=1)]
+    wgmma = [WgmmaConfig(), WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=64, split_k=4),
+             WgmmaConfig(block_m=128, tail_m=32), WgmmaConfig(ws=True, warps=8, block_m=128, repeats=1)]
+    for c in mma:
+        assert MMAConfig.parse(str(c)) == c, c
+    for c in wgmma:
+        assert WgmmaConfig.parse(str(c)) == c, c
+    for bad in ("mma_n24_m8_k256_w4", "mma_n64_m8_k100_w4", "wgmma_n128_m64", "mma_n64_m8_k256_w4:u", ""):
+        with pytest.raises(ValueError, match="not a configuration name"):
+            (WgmmaConfig if bad.startswith("wgmma") else MMAConfig).parse(bad)

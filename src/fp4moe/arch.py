@@ -373,6 +373,14 @@ def _match_length(alias: str, text: str) -> int:
     return 0
 
 
+#: What kernels reach of a product's datasheet rates. Measured on the H200 only, and assumed for
+#: every product: DRAM at the copy bandwidth (4,257 of 4,800 GB/s in every benchmark run here),
+#: tensor cores at what torch's bf16 matmul sustains in the same runs (680-711 of 989 TFLOP/s;
+#: the FP4 and FP8 peaks take the same fraction, not measured).
+SUSTAINED_BANDWIDTH_FRACTION = 0.887
+SUSTAINED_TENSOR_FRACTION = 0.72
+
+
 @dataclass(frozen=True)
 class GPU:
     """One product: its architecture plus what its datasheet says."""
@@ -395,6 +403,16 @@ class GPU:
         for alias in self.aliases:
             if alias != alias.lower():
                 raise ValueError(f"GPU {self.name}: alias {alias!r} must be lower-case")
+
+    @property
+    def sustained_bandwidth_gbs(self) -> float:
+        """The DRAM bandwidth kernels reach (``SUSTAINED_BANDWIDTH_FRACTION`` of the datasheet's)."""
+        return self.mem_bandwidth_gbs * SUSTAINED_BANDWIDTH_FRACTION
+
+    @staticmethod
+    def sustained_tflops(peak_tflops: float) -> float:
+        """The tensor-core rate kernels reach of a datasheet peak (``SUSTAINED_TENSOR_FRACTION``)."""
+        return peak_tflops * SUSTAINED_TENSOR_FRACTION
 
     def match_length(self, text: str) -> int:
         """Length of the longest of name/aliases found in ``text`` (0: no match)."""

@@ -72,7 +72,6 @@ def run_moe_bench(
 
     from ..models import get_model
     from ..ops.moe import moe_experts
-    from ..quantize import quantize_stacked
     from .linear import bench_ceilings
 
     console = console or Console()
@@ -84,14 +83,7 @@ def run_moe_bench(
     fmt = spec.fmt if mode == "w4a16" else "nvfp4"
     ceilings = ceilings if ceilings is not None else bench_ceilings()
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    # FP4 weights, one global per expert, built expert by expert to bound the fp32 temporaries
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=gen), fmt)
-    w2 = quantize_stacked(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=gen), fmt)
-    if mode == "w4a16" and (2 * I) % 16 == 0 and H % 16 == 0:  # decode reads MMA-order copies: pack before capture
-        from ..ops.moe import mma_packed_experts
-
-        mma_packed_experts(w13)
-        mma_packed_experts(w2)
+    w13, w2 = random_experts(E, H, I, fmt, gen, pack=mode == "w4a16")
     route = _router(spec)
     if torch_baseline:
         w13t = torch.randn(E, H, 2 * I, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2).contiguous().transpose(1, 2)
@@ -139,6 +131,25 @@ def run_moe_bench(
         rows.append(row)
         _progress(console, row)
     return rows
+
+
+def random_experts(E: int, H: int, I: int, fmt: str, gen, *, pack: bool = True):
+    """Random stacked expert weights (w13 [E, 2I, H], w2 [E, H, I]) in ``fmt``, one global scale per
+    expert, on ``gen``'s device; ``pack``: with their MMA-order copies made now (the W4A16 packed
+    kernels read them; made before a CUDA graph is captured) where the rows are whole 16-row blocks."""
+    import torch
+
+    from ..quantize import quantize_stacked
+
+    # built expert by expert (quantize_stacked) to bound the fp32 temporaries
+    w13 = quantize_stacked(torch.randn(E, 2 * I, H, device=gen.device, dtype=torch.bfloat16, generator=gen), fmt)
+    w2 = quantize_stacked(torch.randn(E, H, I, device=gen.device, dtype=torch.bfloat16, generator=gen), fmt)
+    if pack and gen.device.type == "cuda" and (2 * I) % 16 == 0 and H % 16 == 0:
+        from ..ops.moe import mma_packed_experts
+
+        mma_packed_experts(w13)
+        mma_packed_experts(w2)
+    return w13, w2
 
 
 def _zipf_bias(E: int, gen):

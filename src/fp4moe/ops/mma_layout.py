@@ -20,6 +20,7 @@ tiny non-zero scale, so its block's codes are set to zero (its values are zero e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +221,16 @@ class MMAConfig:
         kw = f"_kw{self.kw}" if self.kw > 1 else ""
         pdl = ("", "_pdl", "_pdl2")[self.pdl]
         return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}"
+
+    @classmethod
+    def parse(cls, name: str) -> MMAConfig:
+        """The configuration ``str`` names (benchmark and sweep records), e.g. ``mma_n16_m8_k256_w1_kw4_pdl2``."""
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl2?)?", name)
+        if not m or int(m[1]) % (16 * int(m[4])) or int(m[3]) % 64:
+            raise ValueError(f"MMAConfig.parse: not a configuration name: {name!r}")
+        n, bm, k, w = (int(g) for g in m.groups()[:4])
+        return cls(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=int(m[5] or 1), kw=int(m[6] or 1),
+                   pdl={None: 0, "_pdl": 1, "_pdl2": 2}[m[7]])
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -582,6 +593,16 @@ class WgmmaConfig:
         tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "") \
             + (f"_split{self.split_k}" if self.split_k > 1 else "") + ("_ws" if self.ws else "")
         return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
+
+    @classmethod
+    def parse(cls, name: str) -> WgmmaConfig:
+        """The configuration ``str`` names (benchmark and sweep records), e.g. ``wgmma_n128_m256_s4_g8_r1``."""
+        m = re.fullmatch(r"wgmma_n(\d+)_m(\d+)_s(\d+)_g(\d+)(?:_r(\d))?(?:_t(\d+))?(?:_split(\d+))?(_ws)?", name)
+        repeats = int(m[5] or 2) if m else 2
+        if not m or int(m[1]) % (16 * repeats):
+            raise ValueError(f"WgmmaConfig.parse: not a configuration name: {name!r}")
+        return cls(block_m=int(m[2]), stages=int(m[3]), group_m=int(m[4]), warps=int(m[1]) // (16 * repeats),
+                   repeats=repeats, tail_m=int(m[6] or 0), split_k=int(m[7] or 1), ws=bool(m[8]))
 
 
 #: the smallest batch the plain linear runs on the wgmma kernel (SM90); at MAX_M and below the

@@ -70,13 +70,6 @@ L2_BANDWIDTH_FACTOR = 3.0
 #: the split-K reduction pays it. Typical measured gaps between graph-launched kernels are 1-3 us.
 SECOND_KERNEL_US = 2.0
 
-#: What the model takes as reachable, as fractions of the catalogue's datasheet rates: DRAM at the
-#: copy bandwidth (4,257 of 4,800 GB/s on the H200, every benchmark run here), tensor cores at what
-#: torch's bf16 matmul sustains (680-711 of 989 TFLOP/s in the same runs; the FP4 and FP8 peaks get
-#: the same factor, not measured). Measured on the H200 only and assumed for every GPU.
-SUSTAINED_DRAM = 0.887
-SUSTAINED_MMA = 0.72
-
 #: Launch, ramp-up and drain of one kernel under CUDA-graph replay, beyond its bytes at the
 #: sustained bandwidth (H200, W4A16 decode at M = 1 on the large GLM-5 shapes: 12.9-13.0 us
 #: measured against 10.0-10.1 at copy bandwidth; 2.5 us on 6144x2048).
@@ -84,13 +77,13 @@ KERNEL_US = 2.5
 
 
 def _bandwidth(gpu: GPU) -> float:
-    """Sustained DRAM bandwidth in bytes per microsecond (``SUSTAINED_DRAM``)."""
-    return gpu.mem_bandwidth_gbs * 1e3 * SUSTAINED_DRAM
+    """The catalogue's sustained DRAM bandwidth (``GPU.sustained_bandwidth_gbs``) in bytes per us."""
+    return gpu.sustained_bandwidth_gbs * 1e3
 
 
 def _mma_rate(peak_tflops: float) -> float:
-    """Sustained FLOPs per microsecond of a datasheet peak (``SUSTAINED_MMA``)."""
-    return peak_tflops * 1e6 * SUSTAINED_MMA
+    """FLOPs per microsecond that a datasheet peak sustains (``GPU.sustained_tflops``)."""
+    return GPU.sustained_tflops(peak_tflops) * 1e6
 
 
 def default_gpu(arch: Arch) -> GPU:
@@ -140,7 +133,8 @@ class TimeEstimate:
     """A roofline estimate of one configuration on one GPU (microseconds).
 
     ``bound_us`` is the problem's own roofline (least bytes at the sustained bandwidth against
-    unpadded FLOPs at the sustained tensor rate: ``SUSTAINED_DRAM``, ``SUSTAINED_MMA``); ``us``
+    unpadded FLOPs at the sustained tensor rate, ``GPU.sustained_bandwidth_gbs`` and
+    ``GPU.sustained_tflops``); ``us``
     adds what the configuration costs: padded tiles, waves, SMs left idle, the split-K partial
     sums and their reduction, and each kernel's launch and ramp (``KERNEL_US``).
     ``fraction = bound_us / us``. ``peak_tflops`` is the datasheet's. Against the H200's measured
@@ -221,7 +215,8 @@ def _roofline(gpu: GPU, *, nbytes: float, flops: float, peak_tflops: float, prog
     reported). Memory: ``nbytes`` from DRAM and ``l2_bytes`` (every program's operand tiles)
     from L2 at ``L2_BANDWIDTH_FACTOR`` times the DRAM bandwidth; with fewer programs than SMs
     only that fraction of the SMs issue loads (one SM cannot draw the chip's bandwidth). Rates are
-    the sustained ones (``SUSTAINED_DRAM``, ``SUSTAINED_MMA``), plus ``KERNEL_US`` per kernel.
+    the catalogue's sustained ones (``arch.SUSTAINED_BANDWIDTH_FRACTION``,
+    ``arch.SUSTAINED_TENSOR_FRACTION``), plus ``KERNEL_US`` per kernel.
     """
     slots = gpu.sm_count * ctas_per_sm
     waves = _cdiv(programs, slots)
