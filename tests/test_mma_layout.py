@@ -9,6 +9,8 @@ sm_120 with shared memory only for the partial tiles, PDL from sm_90; the decode
 table is what ptxas reports. GPU: against the reference, and deterministic.
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -138,6 +140,13 @@ def test_choose_mma_config():
             assert -(-N // c.block_n) * -(-M // c.block_m) <= 132 * per_sm or N <= 16 * 132, c  # one wave
     assert choose_mma_config(1, 12288, 6144, arch="sm89").pdl == 0  # no griddepcontrol before Hopper
     assert str(choose_mma_config(1, 12288, 6144)) == "mma_n16_m8_k256_w1_kw4_pdl2"  # the H200 sweep's best
+    # x through the shared-memory ring only for one-row-block 16-token programs with long K slices
+    # whose grid stays one wave with the ring (measured on the H200: 6144x12288 at M = 9..16)
+    assert [choose_mma_config(M, 6144, 12288).xs for M in (4, 9, 16)] == [0, 2, 2]
+    assert choose_mma_config(16, 12288, 6144).xs == 0  # two row blocks per warp
+    assert choose_mma_config(16, 4096, 6144).xs == 0  # 6 steps per slice
+    assert choose_mma_config(16, 8192, 28672).xs == 0  # the ring would need a second wave
+    assert choose_mma_config(16, 6144, 12288, 188, arch="sm120").xs == 0  # 100 KB per SM: one program
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
     assert short.kw == 1 and short.split_k == 1 and not short.pdl
     with pytest.raises(ValueError, match="block_m"):
@@ -198,7 +207,7 @@ for cc, rb, kh, bm, mx, grouped, plan_ready in json.loads(sys.argv[1]):
            "stride_ym": "i32", "k_chunks_per_split": "i32", "stride_ge": "i32", "stride_be": "i32"}
     cx = dict(RB=rb, WARPS=4, KH=kh, BLOCK_M=bm, MXFP4=mx, HAS_WG=not mx, HAS_BIAS=True, SPLIT_K=2, FOLD=256.0,
               DECODE=L.DECODE_ASM, SCALE=L.scale_asm(mx), X_LAYOUT=L.x_layout(bm, kh, 4), EVEN_K=True,
-              GROUPED=grouped, GATHER=grouped and not plan_ready, PDL=pdl, SWIGLU=False, WG_MODE=0)
+              GROUPED=grouped, GATHER=grouped and not plan_ready, PDL=pdl, SWIGLU=False, WG_MODE=0, X_STAGES=0)
     sig.update({k: "constexpr" for k in cx})
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=cx), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": 4})
@@ -272,6 +281,48 @@ def test_kw_kernel_cross_compiles_for_every_architecture():
         assert r["spills"] == 0, r
 
 
+_COMPILE_XS = r"""
+import dataclasses, json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
+from fp4moe.plan.worker import _ptxas, compile_request
+out = []
+for cc, name, kind in json.loads(sys.argv[1]):
+    kw = {"gemm1": dict(grouped=True, gather=True, swiglu=True, wg_mode=1), "gemm2": dict(grouped=True, plan_ready=True),
+          "plain": dict(has_bias=True)}[kind]
+    req = mma_compile_request(MMAConfig.parse(name), "nvfp4", cc, 2048, **kw)
+    c = compile_request(dataclasses.asdict(req))
+    ptx = c.asm["ptx"]
+    loop = ptx[ptx.find("cp.async.wait_group"):]
+    out.append({"cc": cc, "name": name, "shared": c.metadata.shared, "spills": _ptxas(ptx, cc)[1],
+                "copies16": ptx.count("cp.async.cg.shared.global") and all(
+                    "], 0x10," in line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line),
+                "wait_at": ptx.find("griddepcontrol.wait"), "first_copy": ptx.find("cp.async.cg"),
+                # after the loop's wait: a CTA barrier before the first read of the ring
+                "barrier_then_read": -1 < loop.find("bar.sync") < loop.find("ld.shared")})
+print(json.dumps(out))
+"""
+
+
+def test_x_ring_cross_compiles():
+    """``MMAConfig.xs``: the ring is the kernel's only shared memory (xs steps of block_m x 64 kh
+    bf16), filled by 16-byte cp.async after the PDL wait (x is the previous kernel's output), read
+    after a CTA barrier that follows the wait for the copies (other warps' copies), no spills; from
+    sm_80 to sm_120, in both MoE GEMMs and the plain linear."""
+    cases = [(90, "mma_n128_m16_k128_w4_xs2", "gemm1"), (90, "mma_n64_m8_k256_w4_xs3", "gemm2"),
+             (80, "mma_n64_m8_k256_w4_xs2", "gemm1"), (120, "mma_n128_m16_k128_w4_xs2", "gemm2"),
+             (90, "mma_n128_m16_k256_w4_split4_xs2", "plain"), (90, "mma_n64_m16_k128_w2_kw4_pdl2_xs2", "plain"),
+             (80, "mma_n32_m8_k256_w1_kw4_xs3", "plain")]
+    for (cc, name, kind), r in zip(cases, run_compile_snippet(_COMPILE_XS, cases)):
+        cfg = MMAConfig.parse(name)
+        ring = cfg.xs * cfg.kw * cfg.block_m * 64 * cfg.kh * 2
+        # the kw kernel's partial tiles may take shared memory of their own
+        assert ring <= r["shared"] <= ring + cfg.kw * cfg.block_n * cfg.block_m * 4, r
+        assert r["copies16"] and r["barrier_then_read"] and r["spills"] == 0, r
+        if kind != "plain" and cc >= 90:
+            assert -1 < r["wait_at"] < r["first_copy"], r
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
@@ -285,8 +336,31 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
 
     configs = (choose_mma_config(M, N, K), MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3),
                MMAConfig(rb=1, warps=1, kh=1, block_m=8), MMAConfig(rb=2, warps=1, kh=2, block_m=16, kw=4, pdl=2),
-               MMAConfig(rb=1, warps=2, kh=4, block_m=8, kw=8, pdl=1), MMAConfig(rb=1, warps=4, kh=1, block_m=16, kw=2))
+               MMAConfig(rb=1, warps=2, kh=4, block_m=8, kw=8, pdl=1), MMAConfig(rb=1, warps=4, kh=1, block_m=16, kw=2),
+               MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3, xs=2), MMAConfig(rb=1, warps=4, kh=4, block_m=8, xs=3),
+               MMAConfig(rb=1, warps=2, kh=2, block_m=16, kw=4, pdl=2, xs=2),
+               MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=1, xs=3))
     check_packed_linear(launch_linear_mma, configs, fmt, M, N, K)
+
+
+@pytest.mark.gpu
+def test_gpu_x_ring_falls_back_where_it_cannot_copy():
+    """An ``xs`` configuration on x rows that are not 16-byte aligned (a column slice) or on a K padded
+    to the 64-K chunk runs the register path: the same numbers as the reference."""
+    from fp4moe.ops.linear import fp4_linear_reference
+    from fp4moe.ops.mma_layout import launch_linear_mma, pack_mma
+    from fp4moe.quantize import quantize
+
+    torch.manual_seed(1)
+    for cfg, (M, N, K, offset) in itertools.product(
+            (MMAConfig(rb=1, warps=4, kh=2, block_m=16, xs=2), MMAConfig(rb=1, warps=2, kh=2, block_m=16, kw=2, xs=2)),
+            ((5, 128, 512, 1), (9, 64, 96, 0))):
+        x = torch.randn(M, K + offset, device="cuda", dtype=torch.bfloat16)[:, offset:]
+        w = quantize(torch.randn(N, K, device="cuda"), "nvfp4")
+        y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        launch_linear_mma(x, pack_mma(w), None, y, cfg)
+        ref = fp4_linear_reference(x, w, None).float()
+        assert ((y.float() - ref).abs().max() / ref.abs().max()) < 1e-2, (cfg, M, N, K, offset)
 
 
 @pytest.mark.gpu
@@ -300,6 +374,19 @@ def test_gpu_fp4_linear_routes_decode_to_mma_layout_and_graphs_work():
 def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bias, T):
     """fp4_moe_experts routes decode-sized W4A16 layers to the grouped MMA-layout kernel: same
     numbers as the reference, dropped slots skipped, deterministic."""
+    check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
+@pytest.mark.parametrize("xs,block_m,T", [(2, 8, 5), (3, 16, 48)])
+def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, per_row, bias, xs, block_m, T):
+    """Both grouped GEMMs with x through the shared-memory ring (gathered rows in GEMM 1, fused
+    SwiGLU or not): the same checks as the register path."""
+    from fp4moe.ops import moe as moe_ops
+
+    cfg = MMAConfig(rb=2 if block_m == 16 else 1, warps=4, kh=2 if block_m == 16 else 4, block_m=block_m, xs=xs)
+    monkeypatch.setattr(moe_ops, "mma_moe_config", lambda rows: cfg)
     check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
 
 
@@ -438,7 +525,8 @@ def test_config_names_parse_back():
     from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
 
     mma = [MMAConfig(), MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1), MMAConfig(split_k=4, kh=1),
-           MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=2), MMAConfig(rb=4, warps=2, kh=1, kw=8, pdl=1)]
+           MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=2), MMAConfig(rb=4, warps=2, kh=1, kw=8, pdl=1),
+           MMAConfig(rb=2, warps=4, kh=2, block_m=16, xs=3), MMAConfig(split_k=2, xs=2)]
     wgmma = [WgmmaConfig(), WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=64, split_k=4),
              WgmmaConfig(block_m=128, tail_m=32), WgmmaConfig(ws=True, warps=8, block_m=128, repeats=1)]
     for c in mma:

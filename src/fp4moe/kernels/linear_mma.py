@@ -20,7 +20,7 @@ Triton kernel, with the same split-K partial-sum convention (``splitk_reduce_ker
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # Decode one word (8 E2M1 codes, nibble p = 4*i0 + 2*i2 + i1 of fragment value (i2, i1, i0)) with
 # its two block scales (bf16x2, from ``_SCALE_ASM``) into the 8 bf16 A-fragment values. Nibble
@@ -175,6 +175,9 @@ def fp4_linear_mma_kernel(
     # from a kernel that completed before the previous one passed its wait (MoE GEMM 2, two kernels on)
     SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
     WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
+    X_STAGES: gl.constexpr,  # 0: each warp loads its x tile into registers at the start of each step;
+    # >= 2 (EVEN_K, x rows 16-byte aligned): x through a shared-memory ring of X_STAGES steps filled by
+    # cp.async X_STAGES - 1 steps ahead, copied once per program for all its warps
 ):
     """With SWIGLU each program also runs the expert's up rows (N row blocks below its gate rows)
     through a second accumulator of the same layout, so a thread holds the gate and the up sum of
@@ -253,8 +256,41 @@ def fp4_linear_mma_kernel(
         s_u = gl.load(s_ptrs_u + c_start * S_STEP)
     if PDL == 2:  # x (the previous kernel's output) and every store come after the wait
         _pdl_enter()
+    if X_STAGES > 0:
+        # one 16-byte copy per thread and vector, the program's threads spread over the tile (no
+        # replication over warps); 16-byte vectors XOR-swizzled by row, so that the 8 lanes of a
+        # phase of x_layout's 16-byte reads (tokens g, g + 1; K 16t) hit distinct banks
+        TK: gl.constexpr = BLOCK_K // 8  # 8..32
+        xc_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TK, TK],
+                                                   warps_per_cta=[WARPS, 1], order=[1, 0])
+        xs_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+        x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_STAGES, BLOCK_M, BLOCK_K], xs_layout)
+        # rows past the tile are zero-filled, not copied: many threads copying one row (as the register
+        # path's clamped rows do through L1) serialise on its L2 lines
+        rows_c = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_layout))
+        offs_mc = gl.minimum(rows_c, gl.maximum(row_end - 1, 0))
+        if GATHER:
+            offs_mc = gl.load(row_x_ptr + offs_mc)
+        xc_ptrs = x_ptr + gl.expand_dims(offs_mc.to(gl.int64) * stride_xm, 1) \
+            + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, xc_layout)), 0)
+        xc_mask = gl.expand_dims(rows_c < row_end, 1)
+        c_last = gl.maximum(c_end - KH, c_start)  # steps past the end re-read the last (or, none, the first)
+        for i in gl.static_range(X_STAGES - 1):
+            async_copy.async_copy_global_to_shared(x_ring.index(i), xc_ptrs + gl.minimum(c_start + i * KH, c_last) * 64,
+                                                   mask=xc_mask)
+            async_copy.commit_group()
     for c0 in range(c_start, c_end, KH):
-        if EVEN_K:
+        if X_STAGES > 0:
+            # step X_STAGES - 1 ahead into the slot every warp finished reading a step ago (the membar
+            # pass puts the CTA barrier before the copy and after the wait)
+            it = (c0 - c_start) // KH
+            c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
+            async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
+                                                   mask=xc_mask)
+            async_copy.commit_group()
+            async_copy.wait_group(X_STAGES - 1)
+            xt = x_ring.index(it % X_STAGES).load(x_layout)
+        elif EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)
         else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
             xt = gl.load(x_ptrs + c0 * 64, mask=gl.expand_dims(c0 * 64 + offs_k < K_X, 0), other=0.0)
@@ -276,6 +312,8 @@ def fp4_linear_mma_kernel(
             s_u = s_u_next
         w = w_next
         s = s_next
+    if X_STAGES > 0:
+        async_copy.wait_group(0)  # no copy into the ring outlives the program
 
     out = acc
     if FOLD != 1.0:
@@ -350,6 +388,7 @@ def fp4_linear_mma_kw_kernel(
     EVEN_K: gl.constexpr,  # K_X == K
     PDL: gl.constexpr,  # programmatic dependent launch: 0 off; 1 wait for the previous grid before any
     # load; 2 request the first weight step, then wait (the previous kernel must not write the weights)
+    X_STAGES: gl.constexpr,  # 0 or a ring of x steps in shared memory, per K slice (``fp4_linear_mma_kernel``'s)
 ):
     """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
     KW groups of WARPS warps each sum a K slice of the same BLOCK_N x BLOCK_M tile, and the program
@@ -405,8 +444,34 @@ def fp4_linear_mma_kw_kernel(
     if PDL != 2:
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
+    if X_STAGES > 0:  # as in fp4_linear_mma_kernel, one ring slot [KW, BLOCK_M, BLOCK_K] per step
+        TK: gl.constexpr = BLOCK_K // 8
+        xc_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32 // TK, TK],
+                                                   warps_per_cta=[KW, WARPS, 1], order=[2, 1, 0])
+        xs_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+        x_ring = gl.allocate_shared_memory(gl.bfloat16, [X_STAGES, KW, BLOCK_M, BLOCK_K], xs_layout)
+        lc_s: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, xc_layout))
+        lc_m: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, xc_layout))
+        lc_k: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, xc_layout))
+        rows_c = row_start + gl.arange(0, BLOCK_M, layout=lc_m)
+        xc_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(gl.minimum(rows_c, M - 1).to(gl.int64) * stride_xm, 0), 2) \
+            + gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=lc_s) * (k_chunks_per_slice * 64), 1), 2) \
+            + gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_K, layout=lc_k), 0), 1)
+        xc_mask = gl.expand_dims(gl.expand_dims(rows_c < M, 0), 2)  # rows past M zero-filled, not copied
+        for i in gl.static_range(X_STAGES - 1):
+            async_copy.async_copy_global_to_shared(x_ring.index(i), xc_ptrs + gl.minimum(i * KH, c_last) * 64,
+                                                   mask=xc_mask)
+            async_copy.commit_group()
     for c0 in range(0, k_chunks_per_slice, KH):
-        if EVEN_K:
+        if X_STAGES > 0:
+            it = c0 // KH
+            c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
+            async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
+                                                   mask=xc_mask)
+            async_copy.commit_group()
+            async_copy.wait_group(X_STAGES - 1)
+            xt = x_ring.index(it % X_STAGES).load(x_layout)
+        elif EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)
         else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
             xt = gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
@@ -420,6 +485,8 @@ def fp4_linear_mma_kw_kernel(
         acc = mma_v2(wd, xb, acc)
         w = w_next
         s = s_next
+    if X_STAGES > 0:
+        async_copy.wait_group(0)
 
     out = gl.sum(acc, axis=0)
     if FOLD != 1.0:

@@ -21,7 +21,7 @@ tiny non-zero scale, so its block's codes are set to zero (its values are zero e
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -179,7 +179,11 @@ class MMAConfig:
     over ``kw`` groups of ``warps`` warps inside each program instead (``fp4_linear_mma_kw_kernel``,
     plain linear only; one launch, no partial sums), and ``pdl`` launches it with programmatic
     dependent launch: 1 waits for the previous kernel before its first load, 2 requests its first
-    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``)."""
+    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``).
+    ``xs`` >= 2: x comes through a shared-memory ring of that many steps, copied by cp.async ``xs`` - 1
+    steps ahead once for all the warps along N (with ``kw``, one slot per K slice), instead of each
+    warp loading it into registers at the start of each step (0); the launcher keeps 0 where x's rows
+    are not 16-byte aligned or K is padded."""
 
     rb: int = 1
     warps: int = 4
@@ -188,6 +192,7 @@ class MMAConfig:
     split_k: int = 1
     kw: int = 1
     pdl: int = 0
+    xs: int = 0
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -209,6 +214,8 @@ class MMAConfig:
             raise ValueError(f"MMAConfig: warps * kw = {self.warps * self.kw} warps per program, at most 16")
         if self.pdl not in (0, 1, 2):
             raise ValueError(f"MMAConfig.pdl: expected 0, 1 or 2, got {self.pdl}")
+        if self.xs not in (0, 2, 3, 4):
+            raise ValueError(f"MMAConfig.xs: expected 0 (x in registers) or 2..4, got {self.xs}")
         if self.pdl and self.kw == 1:
             raise ValueError("MMAConfig.pdl: only the in-program K split (kw > 1) launches with PDL")
 
@@ -220,17 +227,18 @@ class MMAConfig:
         split = f"_split{self.split_k}" if self.split_k > 1 else ""
         kw = f"_kw{self.kw}" if self.kw > 1 else ""
         pdl = ("", "_pdl", "_pdl2")[self.pdl]
-        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}"
+        xs = f"_xs{self.xs}" if self.xs else ""
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}"
 
     @classmethod
     def parse(cls, name: str) -> MMAConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``mma_n16_m8_k256_w1_kw4_pdl2``."""
-        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl2?)?", name)
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl2?)?(?:_xs(\d+))?", name)
         if not m or int(m[1]) % (16 * int(m[4])) or int(m[3]) % 64:
             raise ValueError(f"MMAConfig.parse: not a configuration name: {name!r}")
         n, bm, k, w = (int(g) for g in m.groups()[:4])
         return cls(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=int(m[5] or 1), kw=int(m[6] or 1),
-                   pdl={None: 0, "_pdl": 1, "_pdl2": 2}[m[7]])
+                   pdl={None: 0, "_pdl": 1, "_pdl2": 2}[m[7]], xs=int(m[8] or 0))
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -302,7 +310,28 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     if best is None:  # K too short to split over warps: one warp per program, K in one slice
         kh = _fit_kh(4, chunks)
         return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
-    return best
+    return _with_x_ring(best, M, N, chunks, sm_count, mx, arch)
+
+
+#: K steps per slice from which 16-token decode programs take x through the shared-memory ring
+X_RING_MIN_STEPS = 12
+
+
+def _with_x_ring(c: MMAConfig, M: int, N: int, chunks: int, sm_count: int, mx: bool, arch: Arch) -> MMAConfig:
+    """``c`` with ``xs`` = 2 where the H200 measured the ring faster (scripts/sweep_linear_configs.py,
+    benchmarks/raw/sweep-linear-xring-h200.json): 16-token programs of one 16-row block (their x
+    step is 4x their weight step) whose K slices run at least ``X_RING_MIN_STEPS`` steps and whose
+    grid stays one wave with the ring's shared memory: GLM-5's 6144x12288 at M = 9..16, 5-17% faster.
+    Elsewhere it measured slower (up to 30% on 8192x8192, a second wave) or within 3%, and never
+    faster at 8 tokens per program or in the MoE GEMMs, so it stays off there."""
+    if c.block_m != 16 or c.rb != 1 or c.warps != 1 or chunks // (c.kh * c.kw) < X_RING_MIN_STEPS:
+        return c
+    ring = 2 * c.kw * c.block_m * c.kh * KCHUNK * 2
+    per_sm = arch.ctas_per_sm(32 * c.kw, registers=KW_REGISTERS[(mx, c.block_m, c.rb, c.kh, c.kw)],
+                              smem_bytes=ring + c.kw * 16 * c.block_m * 4)
+    if -(-N // c.block_n) * -(-M // c.block_m) > per_sm * sm_count:
+        return c
+    return replace(c, xs=2)
 
 
 def _split(config: MMAConfig, chunks: int) -> tuple[int, int, int]:
@@ -354,9 +383,17 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         chunks // kw, RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, FOLD=FOLD_E8M0 if mx else FOLD_E4M3,
         DECODE=DECODE_ASM, SCALE=scale_asm(mx), X_LAYOUT=x_layout_kw(config.block_m, kh, config.warps, kw),
-        EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, num_warps=config.warps * kw, launch_pdl=pdl > 0,
+        EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
+        num_warps=config.warps * kw, launch_pdl=pdl > 0,
     )
     return out
+
+
+def _x_stages(config: MMAConfig, x2: torch.Tensor, chunks: int) -> int:
+    """``config.xs``, or 0 (x in registers) where the ring's 16-byte copies of whole K steps cannot
+    read x: K padded to the 64-K chunk, or rows not 16-byte aligned."""
+    even_k = chunks * KCHUNK == x2.shape[1]
+    return config.xs if even_k and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 else 0
 
 
 def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
@@ -392,7 +429,9 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
         FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
-        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode, num_warps=config.warps, **pdl,
+        GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode,
+        X_STAGES=_x_stages(config, x2, chunks),
+        num_warps=config.warps, **pdl,
     )
     return split
 
@@ -424,7 +463,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                           SCALE=scale_asm(mx),
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
                                     "args": [config.block_m, kh, config.warps, kw]},
-                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0)
+                          EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0,
+                          X_STAGES=config.xs if chunks * KCHUNK == K else 0)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
@@ -443,7 +483,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
                       PDL=(2 if plan_ready else 1) if grouped and get_arch(cc).has_pdl else 0, SWIGLU=swiglu,
-                      WG_MODE=wg_mode if swiglu else 0)
+                      WG_MODE=wg_mode if swiglu else 0, X_STAGES=config.xs if chunks * KCHUNK == K else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
                           divisible_by_16=divisible)

@@ -439,7 +439,7 @@ class _PackedSpec:
 
 class _MmaSpec(_PackedSpec):
     """The mma.sync kernel (``kernels.linear_mma``): ``MMAConfig``, bf16 mma.sync, shared memory only
-    for the in-program K split's partial tiles."""
+    for the in-program K split's partial tiles and, with ``xs``, x's ring."""
 
     @property
     def config_type(self) -> type:
@@ -451,18 +451,21 @@ class _MmaSpec(_PackedSpec):
         return "w4a16_mma"
 
     def smem_model(self, config, problem: Any, arch: Arch) -> SmemBreakdown:
-        from ..ops.mma_layout import KCHUNK, _fit_kw
+        from ..ops.mma_layout import KCHUNK, _fit_kw, _split
         from .smem import SmemTerm
 
         self.check_config(config)  # type: ignore[attr-defined]
-        if config.kw == 1:
-            return SmemBreakdown(())  # operands go from global memory straight to registers
-        kw = _fit_kw(config, _cdiv(problem.K, KCHUNK))[1]
-        if kw == 1:
-            return SmemBreakdown(())
-        # the kw warp groups' fp32 partial tiles meet in shared memory for their sum (gl.sum, axis 0)
-        return SmemBreakdown((SmemTerm("K-slice partial tiles", config.block_n * config.block_m * 4, kw,
-                                       phase="epilogue", source="convert_layout scratch of gl.sum"),))
+        chunks = _cdiv(problem.K, KCHUNK)
+        kh, kw = _fit_kw(config, chunks) if config.kw > 1 else (_split(config, chunks)[0], 1)
+        terms = []
+        if config.xs and chunks * KCHUNK == problem.K:  # x's ring (the launcher keeps it off for padded K)
+            terms.append(SmemTerm("x ring (cp.async)", kw * config.block_m * kh * KCHUNK * 2, config.xs,
+                                  source="allocate_shared_memory"))
+        if kw > 1:
+            # the kw warp groups' fp32 partial tiles meet in shared memory for their sum (gl.sum, axis 0)
+            terms.append(SmemTerm("K-slice partial tiles", config.block_n * config.block_m * 4, kw,
+                                  phase="epilogue", source="convert_layout scratch of gl.sum"))
+        return SmemBreakdown(tuple(terms))  # without either, operands go from global memory to registers
 
     def expected_mma(self, problem: Any, arch: Arch) -> MmaExpectation:
         return MmaExpectation("bf16 mma.sync (m16n8k16)", (("mma.sync.aligned.m16n8k16", ".bf16"),))
@@ -507,9 +510,10 @@ def _uniform_tiles(problem: Any, block_m: int) -> tuple[int, int]:
 class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
     """``kernels.linear_mma.fp4_linear_mma_kernel`` (Gluon, mma.sync): W4A16 decode (M <= 16, bf16
     activations) on weights in MMA operand order, on every architecture from SM80 (what
-    ``fp4_linear`` runs there). Only the in-program K split (``MMAConfig.kw``) uses shared memory,
-    a few KB for adding the warp groups' partial tiles; what can go wrong on a new chip is
-    registers (spills) and the MMA instruction, which the compile check proves."""
+    ``fp4_linear`` runs there). Shared memory: a few KB for adding the in-program K split's
+    (``MMAConfig.kw``) partial tiles, and x's ring where the heuristic takes it (``MMAConfig.xs``,
+    up to 64 KB, so the heuristic counts it against the chip); what else can go wrong on a new chip
+    is registers (spills) and the MMA instruction, which the compile check proves."""
 
     name = "fp4_linear_mma"
     problem_type = LinearProblem

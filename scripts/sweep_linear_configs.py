@@ -1,0 +1,94 @@
+"""Times named configurations of the packed W4A16 linear (``MMAConfig`` or ``WgmmaConfig`` names, as
+benchmark records print them) on GLM-5 shapes, against the runtime's own choice, each checked
+against the reference first. Weights rotate past the L2 as in ``fp4moe bench linear``; ``--repeat``
+times every configuration R times round-robin. GPU only; ``--dry-run`` lists the runs (CPU).
+``default_xs2`` names the runtime's choice with ``MMAConfig.xs`` = 2.
+Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
+[--shapes 12288x6144,6144x12288] [--repeat R] [--out DIR] [--dry-run]"""
+import argparse
+import json
+from dataclasses import replace
+
+import torch
+
+from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
+
+SHAPES = "12288x6144,6144x12288,4096x6144,6144x2048"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="16")
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--configs", required=True, help="comma-separated configuration names")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--out")
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    names = args.configs.split(",")
+    xs_default = [int(c[len("default_xs"):]) for c in names if c.startswith("default_xs")]  # the runtime's + xs
+    try:
+        named = [WgmmaConfig.parse(c) if c.startswith("wgmma_") else MMAConfig.parse(c) for c in names
+                 if not c.startswith("default_xs")]
+    except ValueError as err:
+        raise SystemExit(f"--configs: {err}") from None
+    if args.dry_run:
+        for N, K in shapes:
+            for M in ms:
+                print(f"{N}x{K} M={M}: default, " + ", ".join(map(str, named)))
+        return
+
+    from fp4moe.bench.timing import l2_bytes, measure_copy_bandwidth, rotating, rotation_count, time_cuda_graph
+    from fp4moe.formats import NVFP4
+    from fp4moe.ops.linear import fp4_linear_reference, packed_config
+    from fp4moe.ops.mma_layout import launch_linear_mma, launch_linear_wgmma, pack_mma
+    from fp4moe.arch import get_arch
+    from fp4moe.quantize import quantize
+
+    arch = get_arch(torch.cuda.get_device_capability())
+    copy = measure_copy_bandwidth()
+    res = {"copy_gbs": copy, "time": [], "check": []}
+    for N, K in shapes:
+        w0 = quantize(torch.randn(N, K, device="cuda"), NVFP4)
+        wbytes = w0.data.numel() + w0.scales.numel()
+        bound = wbytes / (copy * 1e3)
+        ws = [quantize(torch.randn(N, K, device="cuda"), NVFP4) for _ in range(rotation_count(wbytes, l2_bytes()))]
+        ps = [pack_mma(w) for w in ws]
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            ref = fp4_linear_reference(x, ws[0], None).float()
+            base = packed_config("w4a16", arch, M, N, K)
+            cfgs = [base] + [replace(base, xs=xs) for xs in xs_default if isinstance(base, MMAConfig)] + named
+            for rep in range(args.repeat):
+                for c in cfgs:
+                    launch = launch_linear_mma if isinstance(c, MMAConfig) else launch_linear_wgmma
+                    try:
+                        if rep == 0:
+                            y.fill_(float("nan"))
+                            launch(x, ps[0], None, y, c)
+                            err = float((y.float() - ref).abs().max() / ref.abs().max())
+                            res["check"].append(dict(N=N, K=K, M=M, cfg=str(c), rel_err=err, ok=err < 1e-2))
+                            if not err < 1e-2:
+                                print(f"{N}x{K} M={M} {c}: WRONG rel_err {err:.2e}", flush=True)
+                                continue
+                        t = time_cuda_graph(rotating(lambda p, c=c, launch=launch: launch(x, p, None, y, c),
+                                                     [(p,) for p in ps]), iters_per_graph=20, reps=10).median_us
+                    except Exception as e:  # noqa: BLE001 - a sweep records what fails and goes on
+                        print(f"{N}x{K} M={M} {c}: failed {e!r:.300}", flush=True)
+                        continue
+                    res["time"].append(dict(N=N, K=K, M=M, cfg=str(c), default=c is cfgs[0], rep=rep, us=t,
+                                            frac=bound / t))
+                    print(f"{N}x{K} M={M} {c}{' (default)' if c is cfgs[0] else ''}: {t:.2f} us {bound / t:.1%}",
+                          flush=True)
+        del ws, ps
+    print("checks failed:", sum(not r["ok"] for r in res["check"]))
+    if args.out:
+        with open(f"{args.out}/sweep-linear-configs-h200.json", "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
