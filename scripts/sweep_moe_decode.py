@@ -9,8 +9,8 @@ Session 10 measured only the defaults: one token 59.0 us unfused against 63.1 fu
 ``:f`` fused GEMM 1), and
 ``--repeat R`` times every (batch, configuration, variant) R times, round-robin, so that a drift of
 the GPU's clocks spreads over all of them instead of favouring the first.
-Usage: PYTHONPATH=src python3 scripts/sweep_moe_decode.py [--tokens 1,2,4] [--configs ...] [--repeat R]
-[--out DIR] [--dry-run]"""
+Usage: PYTHONPATH=src python3 scripts/sweep_moe_decode.py [--tokens 1,2,4] [--configs ...] [--repeat R] [--out DIR]
+[--dry-run]"""
 import argparse
 import json
 from dataclasses import replace
@@ -70,8 +70,8 @@ def main() -> None:
             print(T, [f"{c}:{'f' if f else 'u'}" for c, f in runs(T)])
         return
 
-    from fp4moe.bench.moe import _router, random_experts
-    from fp4moe.bench.timing import time_cuda_graph
+    from fp4moe.bench.moe import ROUTING_SETS, _router, random_experts
+    from fp4moe.bench.timing import rotating, time_cuda_graph
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = random_experts(E, H, I, spec.fmt, gen)
@@ -81,27 +81,28 @@ def main() -> None:
     res = []
     for T in tokens:
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
-        layer = lambda: moe_ops.moe_experts(x, w13, w2, *route(logits, None)[:2])  # noqa: E731
-        ref = layer().float()
-        for rep in range(args.repeat):
-            for cfg, fused in runs(T):
-                if isinstance(cfg, WgmmaConfig):  # every batch on the wgmma kernel
-                    moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config = 0, lambda rows, c=cfg: c
-                else:
-                    moe_ops.mma_moe_config = lambda rows, c=cfg: c
-                    moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = 0 if fused else float("inf")
-                try:
-                    err = float(((layer().float() - ref).abs().max() / ref.abs().max()))
-                    us = time_cuda_graph(layer, iters_per_graph=10, reps=10).median_us if err < 2e-2 else None
-                    row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=us, rel_err=err)
-                except Exception as exc:  # a configuration that does not compile or launch
-                    row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=None, error=repr(exc)[:300])
-                finally:
-                    moe_ops.mma_moe_config, moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = default_cfg, default_min
-                    moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config = default_wgmma
-                res.append(row)
-                print(row, flush=True)
+        # as fp4moe bench moe: the timed graph cycles through routings (consecutive calls, other experts)
+        sets = [(torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen),) for _ in range(ROUTING_SETS)]
+        one = lambda logits: moe_ops.moe_experts(x, w13, w2, *route(logits, None)[:2])  # noqa: E731
+        ref = one(*sets[0]).float()
+        for rep, (cfg, fused) in ((r, c) for r in range(args.repeat) for c in runs(T)):
+            if isinstance(cfg, WgmmaConfig):  # every batch on the wgmma kernel
+                moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config = 0, lambda rows, c=cfg: c
+            else:
+                moe_ops.mma_moe_config = lambda rows, c=cfg: c
+                moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = 0 if fused else float("inf")
+            try:
+                err = float(((one(*sets[0]).float() - ref).abs().max() / ref.abs().max()))
+                us = time_cuda_graph(rotating(one, sets), iters_per_graph=10, reps=10).median_us \
+                    if err < 2e-2 else None
+                row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=us, rel_err=err)
+            except Exception as exc:  # a configuration that does not compile or launch
+                row = dict(T=T, config=str(cfg), fused=fused, rep=rep, us=None, error=repr(exc)[:300])
+            finally:
+                moe_ops.mma_moe_config, moe_ops.FUSED_SWIGLU_MIN_PROGRAMS_PER_SM = default_cfg, default_min
+                moe_ops.WGMMA_MOE_MIN_ROWS, moe_ops.wgmma_moe_config = default_wgmma
+            res.append(row)
+            print(row, flush=True)
     if args.out:
         name = "sweep-moe-decode-h200" + ("-configs" if args.configs else "")
         with open(f"{args.out}/{name}.json", "w") as f:
