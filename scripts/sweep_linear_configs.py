@@ -2,11 +2,12 @@
 benchmark records print them) on GLM-5 shapes, against the runtime's own choice, each checked
 against the reference first. Weights rotate past the L2 as in ``fp4moe bench linear``; ``--repeat``
 times every configuration R times round-robin. GPU only; ``--dry-run`` lists the runs (CPU).
-``default_xs2`` names the runtime's choice with ``MMAConfig.xs`` = 2.
+``default_xs2``, ``default_pdl3``, ``default_pdl3_xs2`` name the runtime's choice with those fields replaced.
 Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
 [--shapes 12288x6144,6144x12288] [--repeat R] [--out DIR] [--dry-run]"""
 import argparse
 import json
+import re
 from dataclasses import replace
 
 import torch
@@ -28,10 +29,15 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     names = args.configs.split(",")
-    xs_default = [int(c[len("default_xs"):]) for c in names if c.startswith("default_xs")]  # the runtime's + xs
+    # the runtime's choice with fields replaced: default_pdl3, default_xs2, default_pdl3_xs2
+    variants = []
+    for c in names:
+        m = re.fullmatch(r"default(?:_pdl(\d))?(?:_xs(\d))?", c)
+        if m:
+            variants.append({k: int(v) for k, v in zip(("pdl", "xs"), m.groups()) if v is not None})
     try:
         named = [WgmmaConfig.parse(c) if c.startswith("wgmma_") else MMAConfig.parse(c) for c in names
-                 if not c.startswith("default_xs")]
+                 if not c.startswith("default")]
     except ValueError as err:
         raise SystemExit(f"--configs: {err}") from None
     if args.dry_run:
@@ -61,7 +67,7 @@ def main() -> None:
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             ref = fp4_linear_reference(x, ws[0], None).float()
             base = packed_config("w4a16", arch, M, N, K)
-            cfgs = [base] + [replace(base, xs=xs) for xs in xs_default if isinstance(base, MMAConfig)] + named
+            cfgs = [base] + [replace(base, **v) for v in variants if isinstance(base, MMAConfig)] + named
             for rep in range(args.repeat):
                 for c in cfgs:
                     launch = launch_linear_mma if isinstance(c, MMAConfig) else launch_linear_wgmma

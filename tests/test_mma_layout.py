@@ -132,7 +132,7 @@ def test_choose_mma_config():
                     (16, 6144, 2048), (1, 200, 1024)]:
         for fmt in ("nvfp4", "mxfp4"):
             c = choose_mma_config(M, N, K, 132, fmt=fmt)
-            assert c.block_m == (8 if M <= 8 else 16) and c.kw >= 2 and c.split_k == 1 and c.pdl == 2, c
+            assert c.block_m == (8 if M <= 8 else 16) and c.kw >= 2 and c.split_k == 1 and c.pdl in (2, 3), c
             chunks = K // 64
             assert _fit_kw(c, chunks) == (c.kh, c.kw) and chunks // (c.kh * c.kw) >= 2, c
             per_sm = get_arch("sm90").ctas_per_sm(32 * c.kw, registers=KW_REGISTERS[(fmt == "mxfp4", c.block_m, c.rb,
@@ -147,6 +147,10 @@ def test_choose_mma_config():
     assert choose_mma_config(16, 4096, 6144).xs == 0  # 6 steps per slice
     assert choose_mma_config(16, 8192, 28672).xs == 0  # the ring would need a second wave
     assert choose_mma_config(16, 6144, 12288, 188, arch="sm120").xs == 0  # 100 KB per SM: one program
+    # weights of at most a quarter of the L2 are requested into it whole before the PDL wait
+    assert [choose_mma_config(1, N, K).pdl for N, K in ((6144, 2048), (4096, 6144), (8192, 8192))] == [3, 3, 2]
+    assert choose_mma_config(1, 6144, 2048, l2_bytes=6 << 20).pdl == 2  # GA102's 6 MB L2
+    assert choose_mma_config(1, 6144, 2048, arch="sm86").pdl == 0  # no PDL before Hopper
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
     assert short.kw == 1 and short.split_k == 1 and not short.pdl
     with pytest.raises(ValueError, match="block_m"):
@@ -162,7 +166,7 @@ def test_choose_mma_config():
     with pytest.raises(ValueError, match="pdl"):
         MMAConfig(pdl=1)
     with pytest.raises(ValueError, match="pdl"):
-        MMAConfig(kw=2, pdl=3)
+        MMAConfig(kw=2, pdl=4)
     assert str(MMAConfig(rb=2, warps=1, kh=2, block_m=16, kw=8, pdl=1)) == "mma_n32_m16_k128_w1_kw8_pdl"
 
 
@@ -262,6 +266,8 @@ for cc, rb, warps, kh, kw, bm, mx, pdl in json.loads(sys.argv[1]):
     ptx = c.asm["ptx"]
     out.append({"cc": cc, "kw": kw, "rb": rb, "warps": warps, "bm": bm, "shared": c.metadata.shared,
                 "mma": mma_instructions(ptx), "wait": ptx.count("griddepcontrol.wait"),
+                "early_prefetch": ptx[:ptx.find("griddepcontrol.wait")].count("cp.async.bulk.prefetch.L2"),
+                "prefetch": ptx.count("cp.async.bulk.prefetch.L2"),
                 "launch": ptx.count("griddepcontrol.launch_dependents"), "spills": _ptxas(ptx, cc)[1]})
 print(json.dumps(out))
 """
@@ -270,15 +276,17 @@ print(json.dumps(out))
 def test_kw_kernel_cross_compiles_for_every_architecture():
     """The in-program K split builds from sm_80 to sm_120 with the bf16 mma.sync and no spills; its
     only shared memory is the warp groups' partial tiles; griddepcontrol (PDL) only from sm_90."""
-    cases = [(80, 1, 1, 4, 4, 8, False, 2), (89, 2, 1, 2, 8, 16, True, 2), (90, 1, 1, 4, 4, 8, False, 2),
+    cases = [(80, 1, 1, 4, 4, 8, False, 2), (89, 2, 1, 2, 8, 16, True, 3), (90, 1, 1, 4, 4, 8, False, 2),
              (90, 2, 1, 4, 4, 16, True, 1), (90, 1, 2, 2, 2, 8, False, 0), (100, 1, 1, 4, 8, 8, False, 2),
-             (120, 2, 1, 4, 4, 16, False, 2)]
+             (120, 2, 1, 4, 4, 16, False, 2), (90, 1, 2, 4, 4, 8, True, 3), (120, 2, 1, 2, 4, 16, False, 3)]
     for case, r in zip(cases, run_compile_snippet(_COMPILE_KW, cases)):
         pdl = case[-1] if get_arch(r["cc"]).has_pdl else 0
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
         assert 0 < r["shared"] <= r["kw"] * 16 * r["rb"] * r["warps"] * r["bm"] * 4, r  # the partial tiles at most
         assert (r["wait"] > 0) == (pdl > 0) and (r["launch"] > 0) == (pdl > 0), r
         assert r["spills"] == 0, r
+        # PDL = 3: the weights' and scales' bulk L2 requests, all before the wait
+        assert r["prefetch"] == r["early_prefetch"] == (2 * r["rb"] if pdl == 3 else 0), r
 
 
 _COMPILE_XS = r"""
@@ -339,7 +347,9 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
                MMAConfig(rb=1, warps=2, kh=4, block_m=8, kw=8, pdl=1), MMAConfig(rb=1, warps=4, kh=1, block_m=16, kw=2),
                MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3, xs=2), MMAConfig(rb=1, warps=4, kh=4, block_m=8, xs=3),
                MMAConfig(rb=1, warps=2, kh=2, block_m=16, kw=4, pdl=2, xs=2),
-               MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=1, xs=3))
+               MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=1, xs=3),
+               MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=3), MMAConfig(rb=1, warps=1, kh=2, block_m=16, kw=4,
+                                                                              pdl=3, xs=2))
     check_packed_linear(launch_linear_mma, configs, fmt, M, N, K)
 
 
@@ -526,7 +536,8 @@ def test_config_names_parse_back():
 
     mma = [MMAConfig(), MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1), MMAConfig(split_k=4, kh=1),
            MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=2), MMAConfig(rb=4, warps=2, kh=1, kw=8, pdl=1),
-           MMAConfig(rb=2, warps=4, kh=2, block_m=16, xs=3), MMAConfig(split_k=2, xs=2)]
+           MMAConfig(rb=2, warps=4, kh=2, block_m=16, xs=3), MMAConfig(split_k=2, xs=2),
+           MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=3, xs=2)]
     wgmma = [WgmmaConfig(), WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=64, split_k=4),
              WgmmaConfig(block_m=128, tail_m=32), WgmmaConfig(ws=True, warps=8, block_m=128, repeats=1)]
     for c in mma:

@@ -105,6 +105,16 @@ def _pdl_enter():
 
 
 @gluon.jit
+def _l2_prefetch(ptrs, nbytes, pred):
+    """Where ``pred``, request ``nbytes`` (a multiple of 16; 16-byte aligned pointers) from each
+    pointer into L2: one bulk prefetch (SM90+), nothing returned or waited for."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r,r", [ptrs, gl.full(ptrs.shape, nbytes, gl.int32, layout=ptrs.type.layout), pred.to(gl.int32)],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _decode_words(w, s, WORD_AXIS: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
     """Packed words [..., 4] (``WORD_AXIS`` the last) and their scale pairs [...] -> the 8 bf16
     fragment values of every word, [..., 4, i0, i1, i2] (``DECODE``'s nibble order)."""
@@ -387,7 +397,8 @@ def fp4_linear_mma_kw_kernel(
     DECODE: gl.constexpr, SCALE: gl.constexpr, X_LAYOUT: gl.constexpr,
     EVEN_K: gl.constexpr,  # K_X == K
     PDL: gl.constexpr,  # programmatic dependent launch: 0 off; 1 wait for the previous grid before any
-    # load; 2 request the first weight step, then wait (the previous kernel must not write the weights)
+    # load; 2 request the first weight step, then wait (the previous kernel must not write the weights);
+    # 3 as 2, and first request the program's whole share of weights and scales into L2 (bulk prefetch)
     X_STAGES: gl.constexpr,  # 0 or a ring of x steps in shared memory, per K slice (``fp4_linear_mma_kernel``'s)
 ):
     """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
@@ -436,12 +447,25 @@ def fp4_linear_mma_kw_kernel(
 
     acc = gl.zeros([KW, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     c_last = k_chunks_per_slice - KH
-    if PDL == 2:  # the weights are not written by the kernel before: their first step is requested early
+    if PDL == 3:
+        # each (K slice, row block) run of words is contiguous (k_chunks_per_slice x 512 B): lane l
+        # requests its 1/32 of it, lane 0 the run's scales; the loop then finds them in L2
+        pf_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [KW, WARPS, 1], [2, 1, 0])
+        p_s = gl.arange(0, KW, layout=gl.SliceLayout(1, gl.SliceLayout(2, pf_layout)))
+        p_rb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, pf_layout)))
+        p_ln = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, pf_layout)))
+        p_s = gl.expand_dims(gl.expand_dims(p_s, 1), 2)
+        p_rb = gl.expand_dims(gl.expand_dims(p_rb, 0), 2)
+        p_ln = gl.expand_dims(gl.expand_dims(p_ln, 0), 1)
+        run = gl.minimum(pid_n * NB + p_rb, NRB - 1).to(gl.int64) * KC + p_s * k_chunks_per_slice  # first chunk
+        _l2_prefetch(wq_ptr + run * 128 + p_ln * (k_chunks_per_slice * 4), k_chunks_per_slice * 16, p_ln >= 0)
+        _l2_prefetch(sc_ptr + run * S_STEP, k_chunks_per_slice * S_STEP * 2, p_ln == 0)
+    if PDL >= 2:  # the weights are not written by the kernel before: their first step is requested early
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
     if PDL != 0:  # nothing the previous kernel writes (x, y's memory) is touched before it completes
         _pdl_enter()
-    if PDL != 2:
+    if PDL < 2:
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
     if X_STAGES > 0:  # as in fp4_linear_mma_kernel, one ring slot [KW, BLOCK_M, BLOCK_K] per step

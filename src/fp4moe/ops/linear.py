@@ -293,8 +293,10 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
         x2 = x2.contiguous()
     arch = device_arch(x.device)
     path = choose_path(mode, arch)
-    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else None
-    packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt) \
+    props = torch.cuda.get_device_properties(x.device) if x.is_cuda else None
+    sm_count = props.multi_processor_count if props is not None else None
+    packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt,
+                               l2_bytes=getattr(props, "L2_cache_size", None) or None) \
         if config is None and _use_mma_layout(x2, w) else None
     if packed_cfg is not None:
         packed = mma_packed(w)
@@ -313,19 +315,19 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
 
 
 def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_count: int | None = None, *,
-                  fmt: FP4Format | str = "nvfp4"):
+                  fmt: FP4Format | str = "nvfp4", l2_bytes: int | None = None):
     """The configuration of the kernel on weights in MMA operand order (``ops.mma_layout``) that
     ``fp4_linear`` runs for bf16 activations on compiled CUDA, or None for the Triton kernel:
     W4A16 decode (M <= MAX_M) on the mma.sync kernel, which every catalogued architecture, SM80 on,
     has (an ``MMAConfig``); W4A16 above it (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
     ``WgmmaConfig``, split along K up to M = 64). The rest (M > MAX_M on other architectures, W4A4)
-    on the Triton kernel."""
+    on the Triton kernel. ``l2_bytes``: the device's L2 (``choose_mma_config``'s)."""
     from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
 
     if path != "w4a16" or arch is None:
         return None
     if M <= MAX_M:
-        return choose_mma_config(M, N, K, sm_count or 132, fmt=fmt, arch=arch)
+        return choose_mma_config(M, N, K, sm_count or 132, fmt=fmt, arch=arch, l2_bytes=l2_bytes)
     if M >= WGMMA_MIN_M and arch.bf16_mma == "wgmma":
         return choose_wgmma_config(M, N, K, sm_count or 132)
     return None

@@ -179,7 +179,8 @@ class MMAConfig:
     over ``kw`` groups of ``warps`` warps inside each program instead (``fp4_linear_mma_kw_kernel``,
     plain linear only; one launch, no partial sums), and ``pdl`` launches it with programmatic
     dependent launch: 1 waits for the previous kernel before its first load, 2 requests its first
-    weight step before that wait (the launcher uses 1 on a pack's first launch, see ``_launch_kw``).
+    weight step before that wait, 3 also requests the program's whole share of the weight into L2
+    before it (the launcher uses 1 on a pack's first launch, see ``_launch_kw``).
     ``xs`` >= 2: x comes through a shared-memory ring of that many steps, copied by cp.async ``xs`` - 1
     steps ahead once for all the warps along N (with ``kw``, one slot per K slice), instead of each
     warp loading it into registers at the start of each step (0); the launcher keeps 0 where x's rows
@@ -212,8 +213,8 @@ class MMAConfig:
                              f"(split_k={self.split_k}), not both")
         if self.warps * self.kw > 16:
             raise ValueError(f"MMAConfig: warps * kw = {self.warps * self.kw} warps per program, at most 16")
-        if self.pdl not in (0, 1, 2):
-            raise ValueError(f"MMAConfig.pdl: expected 0, 1 or 2, got {self.pdl}")
+        if self.pdl not in (0, 1, 2, 3):
+            raise ValueError(f"MMAConfig.pdl: expected 0, 1, 2 or 3, got {self.pdl}")
         if self.xs not in (0, 2, 3, 4):
             raise ValueError(f"MMAConfig.xs: expected 0 (x in registers) or 2..4, got {self.xs}")
         if self.pdl and self.kw == 1:
@@ -226,19 +227,19 @@ class MMAConfig:
     def __str__(self) -> str:
         split = f"_split{self.split_k}" if self.split_k > 1 else ""
         kw = f"_kw{self.kw}" if self.kw > 1 else ""
-        pdl = ("", "_pdl", "_pdl2")[self.pdl]
+        pdl = ("", "_pdl", "_pdl2", "_pdl3")[self.pdl]
         xs = f"_xs{self.xs}" if self.xs else ""
         return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}"
 
     @classmethod
     def parse(cls, name: str) -> MMAConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``mma_n16_m8_k256_w1_kw4_pdl2``."""
-        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl2?)?(?:_xs(\d+))?", name)
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?", name)
         if not m or int(m[1]) % (16 * int(m[4])) or int(m[3]) % 64:
             raise ValueError(f"MMAConfig.parse: not a configuration name: {name!r}")
         n, bm, k, w = (int(g) for g in m.groups()[:4])
         return cls(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=int(m[5] or 1), kw=int(m[6] or 1),
-                   pdl={None: 0, "_pdl": 1, "_pdl2": 2}[m[7]], xs=int(m[8] or 0))
+                   pdl={None: 0, "_pdl": 1, "_pdl2": 2, "_pdl3": 3}[m[7]], xs=int(m[8] or 0))
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -276,7 +277,7 @@ DECODE_INFLIGHT_BYTES = 40_000
 
 
 def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Format | str = NVFP4,
-                      arch: Arch | str | None = None) -> MMAConfig:
+                      arch: Arch | str | None = None, l2_bytes: int | None = None) -> MMAConfig:
     """The decode configuration (M <= MAX_M): K split over the warps of each program
     (``MMAConfig.kw``, one launch) with PDL, chosen by an occupancy model (H200 sweep,
     scripts/sweep_decode_kw.py): every program resident at once (one wave, from
@@ -284,7 +285,9 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     ``DECODE_INFLIGHT_BYTES`` (one loop step per warp is in flight while the previous one decodes),
     then (ties) longer steps, then more resident warps. Each warp runs at least 2 loop steps (4 for 16-token programs,
     whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. Occupancy
-    limits and PDL from the catalogue entry of ``arch`` (default SM90, where the model was fitted)."""
+    limits and PDL from the catalogue entry of ``arch`` (default SM90, where the model was fitted).
+    Weights of at most ``PDL_L2_SHARE`` of the L2 (``l2_bytes``, default the H200's) are requested
+    into L2 whole before the PDL wait (``pdl`` = 3)."""
     from ..formats import get_format
 
     arch = get_arch(arch or "sm90")
@@ -310,7 +313,19 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     if best is None:  # K too short to split over warps: one warp per program, K in one slice
         kh = _fit_kh(4, chunks)
         return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
+    if best.pdl and -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + 1 / 8) <= PDL_L2_SHARE * (l2_bytes or H200_L2):
+        best = replace(best, pdl=3)
     return _with_x_ring(best, M, N, chunks, sm_count, mx, arch)
+
+
+#: the part of the L2 up to which the decode kernel requests its whole weight into L2 before its PDL
+#: wait (``MMAConfig.pdl`` = 3), so that the stream overlaps the kernel before it. H200
+#: (scripts/sweep_linear_configs.py, benchmarks/raw/sweep-linear-pdl3-h200.json): 6.3 MB weights
+#: (6144x2048, 5120x2048, 2048x4096) 7-15% faster at M = 1..16, 12.6 MB (4096x6144) within 0-5%,
+#: 33-42 MB 11-25% slower (the requests of a large weight evict each other and compete with the
+#: kernel before)
+PDL_L2_SHARE = 0.25
+H200_L2 = 60 << 20
 
 
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring
@@ -373,7 +388,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     pdl = config.pdl
     if pdl and not device_arch(p.words.device).has_pdl:
         pdl = 0  # no griddepcontrol before Hopper: an ordinary launch
-    if pdl == 2 and not getattr(p.words, "_fp4moe_launched", False):
+    if pdl >= 2 and not getattr(p.words, "_fp4moe_launched", False):
         # the kernel before this first launch may be the one that wrote the pack: wait before any load
         pdl = 1
         p.words._fp4moe_launched = True

@@ -526,23 +526,25 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
 
     def candidates(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None) -> list:
         """What the runtime's decode heuristic chooses from: K split over 2, 4 or 8 warp groups of
-        one program, one or two 16-row blocks per warp, 128 or 256 K per step (PDL where the
-        target has it); for K too short to split over warps, the heuristic's one program per tile."""
+        one program, one or two 16-row blocks per warp, 128 or 256 K per step (PDL as the heuristic
+        launches it), and the heuristic's own choice; for K too short to split over warps, the
+        heuristic's one program per tile."""
         from ..ops.mma_layout import MMAConfig
 
         chosen = self.heuristic(problem, arch, sm_count)
         if chosen.kw == 1:
             return [chosen]
-        pdl = 2 if arch.has_pdl else 0
-        return [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=pdl) for rb in (1, 2)
-                for kh in (2, 4) for kw in (2, 4, 8)]
+        family = [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=chosen.pdl) for rb in (1, 2)
+                  for kh in (2, 4) for kw in (2, 4, 8)]
+        return family + [chosen] * (chosen not in family)  # with its x ring, where it takes one
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
         from ..ops.mma_layout import choose_mma_config
 
         self.check_problem(problem)
-        return choose_mma_config(problem.M, problem.N, problem.K, sm_count or default_gpu(arch).sm_count,
-                                 fmt=problem.fmt, arch=arch)
+        gpu = default_gpu(arch)
+        return choose_mma_config(problem.M, problem.N, problem.K, sm_count or gpu.sm_count, fmt=problem.fmt,
+                                 arch=arch, l2_bytes=int(gpu.l2_mib * 2**20))
 
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
