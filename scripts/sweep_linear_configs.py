@@ -66,12 +66,20 @@ def main() -> None:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             ref = fp4_linear_reference(x, ws[0], None).float()
-            base = packed_config("w4a16", arch, M, N, K)
-            cfgs = [base] + [replace(base, **v) for v in variants if isinstance(base, MMAConfig)] + named
+            base = packed_config("w4a16", arch, M, N, K, l2_bytes=l2_bytes())
+            cfgs = [base]
+            for v in variants:
+                try:
+                    cfgs.append(replace(base, **v))
+                except (TypeError, ValueError) as e:  # not an MMAConfig, or a field it refuses (pdl without kw)
+                    print(f"{N}x{K} M={M} default with {v}: {e}", flush=True)
+            cfgs += named
             for rep in range(args.repeat):
                 for c in cfgs:
                     launch = launch_linear_mma if isinstance(c, MMAConfig) else launch_linear_wgmma
                     try:
+                        for p in ps:  # every weight launched once before capture (a pack's first launch waits)
+                            launch(x, p, None, y, c)
                         if rep == 0:
                             y.fill_(float("nan"))
                             launch(x, ps[0], None, y, c)

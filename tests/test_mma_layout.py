@@ -302,12 +302,15 @@ for cc, name, kind in json.loads(sys.argv[1]):
     c = compile_request(dataclasses.asdict(req))
     ptx = c.asm["ptx"]
     loop = ptx[ptx.find("cp.async.wait_group"):]
+    head = ptx[ptx.find("Inner Loop Header"):]  # the main loop (LLVM marks its header)
     out.append({"cc": cc, "name": name, "shared": c.metadata.shared, "spills": _ptxas(ptx, cc)[1],
                 "copies16": ptx.count("cp.async.cg.shared.global") and all(
                     "], 0x10," in line for line in ptx.splitlines() if "cp.async.cg.shared.global" in line),
                 "wait_at": ptx.find("griddepcontrol.wait"), "first_copy": ptx.find("cp.async.cg"),
                 # after the loop's wait: a CTA barrier before the first read of the ring
-                "barrier_then_read": -1 < loop.find("bar.sync") < loop.find("ld.shared")})
+                "barrier_then_read": -1 < loop.find("bar.sync") < loop.find("ld.shared"),
+                # the loop's first copy overwrites the slot the warps read a step before: a barrier first
+                "barrier_then_copy": "Inner Loop Header" in ptx and -1 < head.find("bar.sync") < head.find("cp.async.cg")})
 print(json.dumps(out))
 """
 
@@ -326,7 +329,7 @@ def test_x_ring_cross_compiles():
         ring = cfg.xs * cfg.kw * cfg.block_m * 64 * cfg.kh * 2
         # the kw kernel's partial tiles may take shared memory of their own
         assert ring <= r["shared"] <= ring + cfg.kw * cfg.block_n * cfg.block_m * 4, r
-        assert r["copies16"] and r["barrier_then_read"] and r["spills"] == 0, r
+        assert r["copies16"] and r["barrier_then_read"] and r["barrier_then_copy"] and r["spills"] == 0, r
         if kind != "plain" and cc >= 90:
             assert -1 < r["wait_at"] < r["first_copy"], r
 
@@ -355,8 +358,9 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
 
 @pytest.mark.gpu
 def test_gpu_x_ring_falls_back_where_it_cannot_copy():
-    """An ``xs`` configuration on x rows that are not 16-byte aligned (a column slice) or on a K padded
-    to the 64-K chunk runs the register path: the same numbers as the reference."""
+    """An ``xs`` configuration on x rows that are not 16-byte aligned (a column slice), on a row stride
+    of 8 mod 16 elements (aligned, but not provably so to the compiler) or on a K padded to the 64-K
+    chunk runs the register path: the same numbers as the reference."""
     from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import launch_linear_mma, pack_mma
     from fp4moe.quantize import quantize
@@ -364,7 +368,7 @@ def test_gpu_x_ring_falls_back_where_it_cannot_copy():
     torch.manual_seed(1)
     for cfg, (M, N, K, offset) in itertools.product(
             (MMAConfig(rb=1, warps=4, kh=2, block_m=16, xs=2), MMAConfig(rb=1, warps=2, kh=2, block_m=16, kw=2, xs=2)),
-            ((5, 128, 512, 1), (9, 64, 96, 0))):
+            ((5, 128, 512, 1), (5, 128, 512, 8), (9, 64, 96, 0))):
         x = torch.randn(M, K + offset, device="cuda", dtype=torch.bfloat16)[:, offset:]
         w = quantize(torch.randn(N, K, device="cuda"), "nvfp4")
         y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -87,7 +87,8 @@ def _error(err: BaseException) -> str:
     return f"error: {type(err).__name__}" + (f": {lines[0][:200]}" if lines else "")
 
 
-def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None, fmt: str = "nvfp4") -> str:
+def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None, fmt: str = "nvfp4",
+            l2: int | None = None) -> str:
     """``str(choose_config(...))`` of ops.linear, as ``fp4_linear`` would choose it; "" where there is none."""
     try:
         from ..ops import linear as ops_linear  # written in parallel; may not exist yet
@@ -99,7 +100,8 @@ def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None, 
             return ""
         if hasattr(ops_linear, "choose_path"):  # choose_config(M, N, K, *, path, arch, sm_count)
             path = ops_linear.choose_path(mode, chip)
-            packed = ops_linear.packed_config(path, chip, M, N, K, sm_count, fmt=fmt)  # bf16 x: the packed-layout kernels
+            # bf16 x: the packed-layout kernels, chosen for this device's L2 as fp4_linear does
+            packed = ops_linear.packed_config(path, chip, M, N, K, sm_count, fmt=fmt, l2_bytes=l2)
             return str(packed if packed is not None else choose(M, N, K, path=path, arch=chip, sm_count=sm_count))
         return str(choose(M, N, K, mode=mode, arch=chip))
     except Exception as err:  # a config failure is worth seeing, but the row stays a timing
@@ -190,7 +192,7 @@ def run_linear_bench(
                     timing = _timing_kwargs(reps, iters_per_graph, budget_ms, len(fp4_sets))
                     t = _time_fp4(x, fp4_sets, mode, fmt, timing)
                     row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
-                               config=_config(M, N, K, mode, chip, sm_count, fmt))
+                               config=_config(M, N, K, mode, chip, sm_count, fmt, l2))
                     row.update(linear_metrics(M, N, K, fmt, mode, t.median_us, ceilings, torch_us))
                 except Exception as err:
                     row["error"] = _error(err)

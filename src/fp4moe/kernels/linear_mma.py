@@ -267,9 +267,10 @@ def fp4_linear_mma_kernel(
     if PDL == 2:  # x (the previous kernel's output) and every store come after the wait
         _pdl_enter()
     if X_STAGES > 0:
-        # one 16-byte copy per thread and vector, the program's threads spread over the tile (no
-        # replication over warps); 16-byte vectors XOR-swizzled by row, so that the 8 lanes of a
-        # phase of x_layout's 16-byte reads (tokens g, g + 1; K 16t) hit distinct banks
+        # one 16-byte copy per thread and vector, the program's threads spread over the tile (copies
+        # repeat only where it has fewer rows than the threads cover); 16-byte vectors XOR-swizzled by
+        # row, so that the 8 lanes of a phase of x_layout's 16-byte reads (tokens g, g + 1; K 16t) hit
+        # distinct banks
         TK: gl.constexpr = BLOCK_K // 8  # 8..32
         xc_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // TK, TK],
                                                    warps_per_cta=[WARPS, 1], order=[1, 0])

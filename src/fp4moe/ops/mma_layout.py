@@ -183,8 +183,8 @@ class MMAConfig:
     before it (the launcher uses 1 on a pack's first launch, see ``_launch_kw``).
     ``xs`` >= 2: x comes through a shared-memory ring of that many steps, copied by cp.async ``xs`` - 1
     steps ahead once for all the warps along N (with ``kw``, one slot per K slice), instead of each
-    warp loading it into registers at the start of each step (0); the launcher keeps 0 where x's rows
-    are not 16-byte aligned or K is padded."""
+    warp loading it into registers at the start of each step (0); the launcher keeps 0 where x's row
+    stride is not a multiple of 16 elements, its start not 16-byte aligned, or K is padded."""
 
     rb: int = 1
     warps: int = 4
@@ -313,15 +313,17 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     if best is None:  # K too short to split over warps: one warp per program, K in one slice
         kh = _fit_kh(4, chunks)
         return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
-    if best.pdl and -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + 1 / 8) <= PDL_L2_SHARE * (l2_bytes or H200_L2):
+    weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
+    if best.pdl and weight_bytes <= PDL_L2_SHARE * (l2_bytes or H200_L2):
         best = replace(best, pdl=3)
     return _with_x_ring(best, M, N, chunks, sm_count, mx, arch)
 
 
 #: the part of the L2 up to which the decode kernel requests its whole weight into L2 before its PDL
 #: wait (``MMAConfig.pdl`` = 3), so that the stream overlaps the kernel before it. H200
-#: (scripts/sweep_linear_configs.py, benchmarks/raw/sweep-linear-pdl3-h200.json): 6.3 MB weights
-#: (6144x2048, 5120x2048, 2048x4096) 7-15% faster at M = 1..16, 12.6 MB (4096x6144) within 0-5%,
+#: (scripts/sweep_linear_configs.py, benchmarks/raw/sweep-linear-pdl3-h200.json; at M = 1 its second
+#: repetition: the first timed the default partly at a pack's first-launch PDL = 1): 6.3 MB weights
+#: (6144x2048, 5120x2048, 2048x4096) 6-15% faster at M = 1..16, 12.6 MB (4096x6144) within 0-5%,
 #: 33-42 MB 11-25% slower (the requests of a large weight evict each other and compete with the
 #: kernel before)
 PDL_L2_SHARE = 0.25
@@ -342,8 +344,9 @@ def _with_x_ring(c: MMAConfig, M: int, N: int, chunks: int, sm_count: int, mx: b
     if c.block_m != 16 or c.rb != 1 or c.warps != 1 or chunks // (c.kh * c.kw) < X_RING_MIN_STEPS:
         return c
     ring = 2 * c.kw * c.block_m * c.kh * KCHUNK * 2
+    # the partial tiles' scratch comes after the loop and reuses the ring's memory
     per_sm = arch.ctas_per_sm(32 * c.kw, registers=KW_REGISTERS[(mx, c.block_m, c.rb, c.kh, c.kw)],
-                              smem_bytes=ring + c.kw * 16 * c.block_m * 4)
+                              smem_bytes=max(ring, c.kw * 16 * c.block_m * 4))
     if -(-N // c.block_n) * -(-M // c.block_m) > per_sm * sm_count:
         return c
     return replace(c, xs=2)
@@ -406,9 +409,11 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
 
 def _x_stages(config: MMAConfig, x2: torch.Tensor, chunks: int) -> int:
     """``config.xs``, or 0 (x in registers) where the ring's 16-byte copies of whole K steps cannot
-    read x: K padded to the 64-K chunk, or rows not 16-byte aligned."""
+    read x: K padded to the 64-K chunk, or a row stride the compiler cannot prove 16-byte aligned
+    (Triton specialises an integer argument only as a multiple of 16: a stride of 8 mod 16 elements
+    would compile to 2-byte copies, which cp.async does not have), or an unaligned start."""
     even_k = chunks * KCHUNK == x2.shape[1]
-    return config.xs if even_k and x2.stride(0) % 8 == 0 and x2.data_ptr() % 16 == 0 else 0
+    return config.xs if even_k and x2.stride(0) % 16 == 0 and x2.data_ptr() % 16 == 0 else 0
 
 
 def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
