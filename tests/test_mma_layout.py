@@ -148,7 +148,10 @@ def test_choose_mma_config():
     assert choose_mma_config(16, 8192, 28672).xs == 0  # the ring would need a second wave
     assert choose_mma_config(16, 6144, 12288, 188, arch="sm120").xs == 0  # 100 KB per SM: one program
     # weights of at most a quarter of the L2 are requested into it whole before the PDL wait
-    assert [choose_mma_config(1, N, K).pdl for N, K in ((6144, 2048), (4096, 6144), (8192, 8192))] == [3, 3, 2]
+    h200_l2 = 60 << 20
+    assert [choose_mma_config(1, N, K, l2_bytes=h200_l2).pdl for N, K in ((6144, 2048), (4096, 6144), (8192, 8192))] \
+        == [3, 3, 2]
+    assert choose_mma_config(1, 4096, 6144).pdl == 2  # by default SM90's first catalogue GPU, the H100: 50 MB
     assert choose_mma_config(1, 6144, 2048, l2_bytes=6 << 20).pdl == 2  # GA102's 6 MB L2
     assert choose_mma_config(1, 6144, 2048, arch="sm86").pdl == 0  # no PDL before Hopper
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split

@@ -581,6 +581,14 @@ GPUS: Mapping[str, GPU] = MappingProxyType({g.name: g for g in _GPU_LIST})
 """Every catalogued product, by canonical name."""
 
 
+def default_gpu(arch: Arch) -> GPU:
+    """The catalogue product that stands for ``arch`` when no GPU is named: the first listed."""
+    for gpu in GPUS.values():
+        if gpu.arch == arch:
+            return gpu
+    raise ValueError(f"default_gpu: no catalogued GPU has architecture {arch.name}; name one with gpu=")
+
+
 def _known_gpus() -> str:
     return ", ".join(GPUS)
 

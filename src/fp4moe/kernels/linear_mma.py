@@ -115,6 +115,30 @@ def _l2_prefetch(ptrs, nbytes, pred):
 
 
 @gluon.jit
+def _x_ring_fill(x_ring, xc_ptrs, xc_mask, c_first, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr):
+    """x's ring before the loop: steps 0 .. X_STAGES - 2 from 64-K chunk ``c_first`` (past ``c_last``
+    re-reading it), one copy group each; rows where ``xc_mask`` is false are zero-filled."""
+    for i in gl.static_range(X_STAGES - 1):
+        async_copy.async_copy_global_to_shared(x_ring.index(i), xc_ptrs + gl.minimum(c_first + i * KH, c_last) * 64,
+                                               mask=xc_mask)
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _x_ring_step(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr,
+                 x_layout: gl.constexpr):
+    """Loop step ``it`` (chunk ``c0``) of x's ring: copy step it + X_STAGES - 1 into the slot every
+    warp finished reading a step ago (the membar pass puts the CTA barrier before the copy and one
+    after the wait), wait for step it's copies, and return its x tile in ``x_layout``."""
+    c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
+    async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
+                                           mask=xc_mask)
+    async_copy.commit_group()
+    async_copy.wait_group(X_STAGES - 1)
+    return x_ring.index(it % X_STAGES).load(x_layout)
+
+
+@gluon.jit
 def _decode_words(w, s, WORD_AXIS: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
     """Packed words [..., 4] (``WORD_AXIS`` the last) and their scale pairs [...] -> the 8 bf16
     fragment values of every word, [..., 4, i0, i1, i2] (``DECODE``'s nibble order)."""
@@ -286,21 +310,10 @@ def fp4_linear_mma_kernel(
             + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, xc_layout)), 0)
         xc_mask = gl.expand_dims(rows_c < row_end, 1)
         c_last = gl.maximum(c_end - KH, c_start)  # steps past the end re-read the last (or, none, the first)
-        for i in gl.static_range(X_STAGES - 1):
-            async_copy.async_copy_global_to_shared(x_ring.index(i), xc_ptrs + gl.minimum(c_start + i * KH, c_last) * 64,
-                                                   mask=xc_mask)
-            async_copy.commit_group()
+        _x_ring_fill(x_ring, xc_ptrs, xc_mask, c_start, c_last, KH, X_STAGES)
     for c0 in range(c_start, c_end, KH):
         if X_STAGES > 0:
-            # step X_STAGES - 1 ahead into the slot every warp finished reading a step ago (the membar
-            # pass puts the CTA barrier before the copy and after the wait)
-            it = (c0 - c_start) // KH
-            c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
-            async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
-                                                   mask=xc_mask)
-            async_copy.commit_group()
-            async_copy.wait_group(X_STAGES - 1)
-            xt = x_ring.index(it % X_STAGES).load(x_layout)
+            xt = _x_ring_step(x_ring, xc_ptrs, xc_mask, (c0 - c_start) // KH, c0, c_last, KH, X_STAGES, x_layout)
         elif EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)
         else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
@@ -483,19 +496,10 @@ def fp4_linear_mma_kw_kernel(
             + gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=lc_s) * (k_chunks_per_slice * 64), 1), 2) \
             + gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_K, layout=lc_k), 0), 1)
         xc_mask = gl.expand_dims(gl.expand_dims(rows_c < M, 0), 2)  # rows past M zero-filled, not copied
-        for i in gl.static_range(X_STAGES - 1):
-            async_copy.async_copy_global_to_shared(x_ring.index(i), xc_ptrs + gl.minimum(i * KH, c_last) * 64,
-                                                   mask=xc_mask)
-            async_copy.commit_group()
+        _x_ring_fill(x_ring, xc_ptrs, xc_mask, 0, c_last, KH, X_STAGES)
     for c0 in range(0, k_chunks_per_slice, KH):
         if X_STAGES > 0:
-            it = c0 // KH
-            c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
-            async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
-                                                   mask=xc_mask)
-            async_copy.commit_group()
-            async_copy.wait_group(X_STAGES - 1)
-            xt = x_ring.index(it % X_STAGES).load(x_layout)
+            xt = _x_ring_step(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES, x_layout)
         elif EVEN_K:
             xt = gl.load(x_ptrs + c0 * 64)
         else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)

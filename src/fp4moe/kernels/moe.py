@@ -259,6 +259,23 @@ def _moe_epilogue(acc_g, acc_u, scale, e, rows, r_mask, cols, c_mask, gate_rows,
 
 
 @triton.jit
+def _token_row(PDL: tl.constexpr, H, BLOCK_H: tl.constexpr):
+    """The combines' start (grid (T, cdiv(H, BLOCK_H))): wait for the previous kernel, then this
+    program's token, its columns of H, their mask and a zero fp32 sum."""
+    pdl_enter(PDL)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return tl.program_id(0), cols, cols < H, tl.zeros((BLOCK_H,), dtype=tl.float32)
+
+
+@triton.jit
+def _slot_expert(ids_ptr, p, E):
+    """Pair ``p``'s expert (0 for a dropped slot, int64) and whether the slot is kept (an id in [0, E))."""
+    e = tl.load(ids_ptr + p)
+    kept = (e >= 0) & (e < E)
+    return tl.where(kept, e, 0).to(tl.int64), kept
+
+
+@triton.jit
 def _store_token_row(acc, t, cols, mask, shared_ptr, out_ptr, stride_sm, stride_om, HAS_SHARED: tl.constexpr):
     """The combines' end: token t's summed slots (fp32 ``acc`` over ``cols``) plus its shared-expert
     row, stored in the output's dtype."""
@@ -285,18 +302,12 @@ def moe_partials_combine_kernel(
     routing weight) and ``moe_combine_kernel`` in one pass, so the per-pair rows never leave the
     registers: each pair's value is rounded as the two kernels round it (fp32 pair rows) and the
     token's TOP_K values are added in slot order, then the shared expert."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    t, cols, mask, acc = _token_row(PDL, H, BLOCK_H)
     # no branch per slot: the slots' loads are all in flight at once (a branch would serialise
     # TOP_K memory round trips); a dropped slot reads nothing and adds 0, as moe_combine_kernel
     for s in tl.static_range(TOP_K):
         p = t * TOP_K + s
-        e = tl.load(ids_ptr + p)
-        kept = (e >= 0) & (e < E)
-        e = tl.where(kept, e, 0).to(tl.int64)
+        e, kept = _slot_expert(ids_ptr, p, E)
         row = tl.load(pair_row_ptr + p, mask=kept, other=0).to(tl.int64)
         m = mask & kept
         g = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -324,14 +335,9 @@ def moe_combine_kernel(
 ):
     """Grid (T, cdiv(H, BLOCK_H)). One program sums the TOP_K rows of one token in slot order
     (deterministic: the same input gives bitwise the same output), plus the shared expert."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    t, cols, mask, acc = _token_row(PDL, H, BLOCK_H)
     for s in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * TOP_K + s)
-        kept = (e >= 0) & (e < E)
+        _, kept = _slot_expert(ids_ptr, t * TOP_K + s, E)
         acc += tl.load(y_pair_ptr + (t * TOP_K + s).to(tl.int64) * stride_pm + cols, mask=mask & kept,
                        other=0.0).to(tl.float32)
     _store_token_row(acc, t, cols, mask, shared_ptr, out_ptr, stride_sm, stride_om, HAS_SHARED)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..arch import Arch, get_arch
+from ..arch import Arch, default_gpu, get_arch
 from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
 from ._runtime import check_weight_scale_range, pdl_kwargs
@@ -286,8 +286,8 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     then (ties) longer steps, then more resident warps. Each warp runs at least 2 loop steps (4 for 16-token programs,
     whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. Occupancy
     limits and PDL from the catalogue entry of ``arch`` (default SM90, where the model was fitted).
-    Weights of at most ``PDL_L2_SHARE`` of the L2 (``l2_bytes``, default the H200's) are requested
-    into L2 whole before the PDL wait (``pdl`` = 3)."""
+    Weights of at most ``PDL_L2_SHARE`` of the L2 (``l2_bytes``; default that of the catalogue's
+    first GPU of ``arch``) are requested into L2 whole before the PDL wait (``pdl`` = 3)."""
     from ..formats import get_format
 
     arch = get_arch(arch or "sm90")
@@ -314,7 +314,8 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
         kh = _fit_kh(4, chunks)
         return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
     weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
-    if best.pdl and weight_bytes <= PDL_L2_SHARE * (l2_bytes or H200_L2):
+    l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
+    if best.pdl and weight_bytes <= PDL_L2_SHARE * l2:
         best = replace(best, pdl=3)
     return _with_x_ring(best, M, N, chunks, sm_count, mx, arch)
 
@@ -327,7 +328,6 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
 #: 33-42 MB 11-25% slower (the requests of a large weight evict each other and compete with the
 #: kernel before)
 PDL_L2_SHARE = 0.25
-H200_L2 = 60 << 20
 
 
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring

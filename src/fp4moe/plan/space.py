@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Generic, Literal, TypeVar
 
-from ..arch import GPUS, GPU, Arch
+from ..arch import GPU, Arch, default_gpu
 from ..formats import get_format
 from .crosscompile import CompileRequest
 from .smem import SmemBreakdown, linear_family, linear_smem, moe_smem, quantize_smem
@@ -84,14 +84,6 @@ def _bandwidth(gpu: GPU) -> float:
 def _mma_rate(peak_tflops: float) -> float:
     """FLOPs per microsecond that a datasheet peak sustains (``GPU.sustained_tflops``)."""
     return GPU.sustained_tflops(peak_tflops) * 1e6
-
-
-def default_gpu(arch: Arch) -> GPU:
-    """The catalogue product that stands for ``arch`` when no GPU is named: the first listed."""
-    for gpu in GPUS.values():
-        if gpu.arch == arch:
-            return gpu
-    raise ValueError(f"default_gpu: no catalogued GPU has architecture {arch.name}; name one with gpu=")
 
 
 def _cdiv(a: int, b: int) -> int:
