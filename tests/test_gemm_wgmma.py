@@ -381,10 +381,10 @@ def test_gpu_moe_prefill_on_wgmma(fmt, activation, interleaved, per_row, bias, T
 
 def test_linear_routing_per_architecture():
     """fp4_linear's choice for bf16 activations: mma.sync at decode everywhere, wgmma above it on
-    SM90 only (split along K at small batches), the Triton kernel elsewhere and for W4A4."""
+    SM90 only (split along K at small batches), the Triton kernel elsewhere and for native W4A4."""
     from fp4moe.arch import get_arch
     from fp4moe.ops.linear import packed_config
-    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
 
     sm80, sm90, sm120 = get_arch("sm80"), get_arch("sm90"), get_arch("sm120")
     assert isinstance(packed_config("w4a16", sm80, 4, 4096, 4096), MMAConfig)
@@ -394,6 +394,9 @@ def test_linear_routing_per_architecture():
     assert packed_config("w4a16", sm80, 64, 4096, 4096) is None
     assert packed_config("w4a16", sm80, 4096, 4096, 4096) is None
     assert packed_config("w4a16", sm120, 4096, 4096, 4096) is None
-    assert packed_config("w4a4_emulated", sm90, 4096, 4096, 4096) is None
+    # emulated W4A4 takes the same kernels (on its dequantized activations), native W4A4 none
+    assert isinstance(packed_config("w4a4_emulated", sm90, 4096, 4096, 4096), WgmmaConfig)
+    assert isinstance(packed_config("w4a4_emulated", sm80, 1, 4096, 4096), MMAConfig)
+    assert packed_config("w4a4_native", get_arch("sm100"), 1, 4096, 4096) is None
     assert packed_config("w4a16", None, 4, 4096, 4096) is None
 

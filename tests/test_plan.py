@@ -540,7 +540,11 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
     assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear_mma"
     assert _linear_kernel(64, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_wgmma"  # split along K
     assert _linear_kernel(64, 12288, 6144, "w4a16", get_arch("sm89")) == "fp4_linear"
-    assert _linear_kernel(4096, 12288, 6144, "w4a4", get_arch("sm90")) == "fp4_linear"
+    # emulated W4A4 runs the packed kernels on its dequantized activations; native W4A4 the Triton kernel
+    assert _linear_kernel(4096, 12288, 6144, "w4a4", get_arch("sm90")) == "fp4_linear_wgmma"
+    assert _linear_kernel(1, 12288, 6144, "w4a4", get_arch("sm80")) == "fp4_linear_mma"
+    assert _linear_kernel(64, 12288, 6144, "w4a4", get_arch("sm89")) == "fp4_linear"
+    assert _linear_kernel(1, 12288, 6144, "w4a4", get_arch("sm120")) == "fp4_linear"
     assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear"
 
 

@@ -22,6 +22,7 @@ from fp4moe.kernels.quantize import (div_by_reciprocal, div_by_reciprocal_pair, 
 from fp4moe.ops.quantize import (
     _EMULATE_FMA,
     QuantizeConfig,
+    dequantize_activations,
     quantize_activations,
     quantize_activations_reference,
 )
@@ -438,12 +439,51 @@ def test_gpu_bit_exact_large(global_scale):
     check(near_boundaries(512, 2048, _gen(10), 0.37).cuda(), 0.37)
 
 
+# ----------------------------------------------------------------------------------------------
+# The inverse for emulated W4A4 (GPUs without FP4 MMA)
+
+
+@pytest.mark.parametrize("M,K", [(1, 16), (3, 80), (5, 1040), (9, 512), (0, 64)])
+@pytest.mark.parametrize("weight_global", [None, 0.37])
+def test_dequantize_is_exact(M, K, weight_global, device):
+    """x_hat holds code * block scale exactly (times the activations' global scale it is
+    ``fp4moe.dequantize`` bit for bit) and g the product of the two global scales; tiles that end
+    inside M and K, zero blocks and negative codes included."""
+    x = normal(M, K, _gen(M * 7 + K)) * 3
+    x[:, :16] = 0  # a zero block: scale 1.0, codes 0 (x[:, :16] of no rows when M = 0)
+    xq = quantize_activations(x.to(device=device, dtype=torch.bfloat16))
+    wg = None if weight_global is None else torch.tensor([weight_global], dtype=torch.float32, device=device)
+    x_hat, g = dequantize_activations(xq, wg)
+    assert x_hat.shape == (M, K) and x_hat.dtype == torch.bfloat16 and g.shape == (1,)
+    gx = xq.global_scale.float().cpu()
+    want = fp4moe_dequantize(xq)
+    assert torch.equal((x_hat.float().cpu() * gx).view(torch.int32), want.view(torch.int32))
+    assert bool((x_hat[:, :16] == 0).all())
+    assert float(g) == float(gx * (weight_global if weight_global is not None else 1.0))
+
+
+def test_dequantize_refuses_what_it_cannot_read(device):
+    x = torch.randn(2, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="NVFP4 FP4Tensor"):
+        dequantize_activations(quantize(x.float().cpu(), "mxfp4"))
+    with pytest.raises(ValueError, match="2-D activations"):
+        dequantize_activations(quantize_activations(x.reshape(2, 1, 64)))
+    with pytest.raises(ValueError, match="one fp32 value"):
+        dequantize_activations(quantize_activations(x), torch.ones(2, device=device))
+
+
+def fp4moe_dequantize(xq: FP4Tensor) -> torch.Tensor:
+    from fp4moe.quantize import dequantize
+
+    return dequantize(xq.to("cpu"), torch.float32)
+
+
 _CROSS_COMPILE = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fp4moe.kernels.quantize import absmax_kernel, nvfp4_quantize_kernel
+from fp4moe.kernels.quantize import absmax_kernel, nvfp4_dequantize_kernel, nvfp4_quantize_kernel
 from fp4moe.ops.quantize import QuantizeConfig
 
 cfg = QuantizeConfig.from_heuristic(16384, 6144)
@@ -465,8 +505,15 @@ for cc in json.loads(sys.argv[1]):
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "ROW_STEPS": 4}
     amax = triton.compile(ASTSource(absmax_kernel, sig, consts, {(0,): div16, (4,): div16}),
                           target=target, options={"num_warps": cfg.num_warps})
+    sig = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",
+           "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_dm": "i32", "stride_sm": "i32",
+           "stride_om": "i32", "BLOCK_K": "constexpr", "HAS_WG": "constexpr", "PDL": "constexpr"}
+    consts = {"BLOCK_K": 1024, "HAS_WG": True, "PDL": cc >= 90}
+    deq = triton.compile(ASTSource(nvfp4_dequantize_kernel, sig, consts, {(i,): div16 for i in (0, 1, 4, 8, 10)}),
+                         target=target, options={"num_warps": 4})
     ptx = quant.asm["ptx"]
     results.append({"cc": cc, "ptx": len(ptx), "shared": quant.metadata.shared,
+                    "dequant_ptx": deq.asm["ptx"], "dequant_shared": deq.metadata.shared,
                     "absmax_ptx": len(amax.asm["ptx"]), "absmax_shared": amax.metadata.shared,
                     "loads_16B": ptx.count("ld.global.v4.b32"), "fma": ptx.count("fma.rn.f32"),
                     "approx_div": ptx.count("div.approx") + ptx.count("div.full"),
@@ -483,6 +530,7 @@ def test_cross_compiles_for_every_generation():
     results = run_compile_snippet(_CROSS_COMPILE, ccs, timeout=300)
     assert [r["cc"] for r in results] == ccs
     for r in results:
+        deq = r.pop("dequant_ptx")
         print(r)
         assert r["ptx"] > 0 and r["absmax_ptx"] > 0
         assert r["loads_16B"] >= 4, r  # 2 x 16-byte loads per 16-element block, per thread
@@ -491,3 +539,6 @@ def test_cross_compiles_for_every_generation():
         assert r["shared"] <= 16384 and r["absmax_shared"] <= 16384, r
         assert r["maxnreg"], r  # the heuristic's register cap reaches the PTX
         assert (r["xorsign"] > 0) == (r["cc"] >= 86), r  # SM80 has no max.xorsign.abs
+        # the inverse (emulated W4A4): integer decode only, PDL where the target has it, no shared memory
+        assert "cvt.rn.f32.e4m3" not in deq and "e4m3x2" not in deq and r["dequant_shared"] == 0, r
+        assert ("griddepcontrol.wait" in deq) == (r["cc"] >= 90), r

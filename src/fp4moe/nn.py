@@ -48,12 +48,13 @@ class FP4Linear(nn.Module):
             new = self._buffers[name]
             if new is not None and new.dtype != old.dtype:
                 self._buffers[name] = old.to(new.device)
-        if self.weight.is_cuda and self.mode == "w4a16":
-            # decode-sized calls read the weight in MMA operand order (ops.linear.mma_packed): pack it
-            # now, outside any CUDA graph capture
-            from .ops.linear import mma_packed
+        if self.weight.is_cuda:
+            # the packed kernels read the weight in MMA operand order (ops.linear.mma_packed): W4A16, and
+            # W4A4 where the GPU has no FP4 MMA; pack it now, outside any CUDA graph capture
+            from .ops.linear import device_arch, mma_packed, target_path
 
-            mma_packed(self.weight_fp4)
+            if target_path(self.mode, device_arch(self.weight.device)) != "w4a4_native":
+                mma_packed(self.weight_fp4)
         return self
 
     @property

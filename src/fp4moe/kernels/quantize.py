@@ -1,4 +1,5 @@
-"""NVFP4 activation quantization: @triton.jit bodies (launchers in ``fp4moe.ops.quantize``).
+"""NVFP4 activation quantization: @triton.jit bodies (launchers in ``fp4moe.ops.quantize``);
+at the end, its inverse for the W4A4 path of GPUs without FP4 MMA (``nvfp4_dequantize_kernel``).
 
 The results equal ``fp4moe.quantize(x, "nvfp4", global_scale)`` bit for bit; the constants
 are those of ``fp4moe.formats`` (E2M1 max 6, E4M3 max 448, smallest scale 2**-9). Only fp32
@@ -43,6 +44,9 @@ which the GPU tests check bit for bit).
 
 import triton
 import triton.language as tl
+
+from .fp4_decode import e2m1_to_f32, e4m3_to_f32
+from .pdl import pdl_enter
 
 
 @triton.jit
@@ -627,3 +631,42 @@ def _global_scale(scale_ptr, gs_out_ptr, first, DYNAMIC: tl.constexpr):
 def _fast_range(g):
     """2**-91 <= g <= 2**100: the range where the divisions by reciprocals are exact (module docstring)."""
     return (g >= 4.0389678347315804e-28) & (g <= 1.2676506002282294e30)
+
+
+@triton.jit
+def nvfp4_dequantize_kernel(
+    data_ptr,    # [M, K // 2] uint8 codes (rows stride_dm apart): element 2j in the low nibble of byte j
+    scales_ptr,  # [M, K // 16] uint8 E4M3 bits of the block scales (rows stride_sm apart)
+    xg_ptr,      # [] fp32: the activations' global scale
+    wg_ptr,      # [] fp32: the weight's global scale (HAS_WG), else unused
+    out_ptr,     # [M, K] bf16 (rows stride_om apart): code value * block scale, without the global scales
+    g_out_ptr,   # [] fp32: receives xg * wg (or xg)
+    M, K, stride_dm, stride_sm, stride_om,
+    BLOCK_K: tl.constexpr, HAS_WG: tl.constexpr, PDL: tl.constexpr,
+):
+    """NVFP4 activations back to bf16 for the W4A4 path on GPUs without FP4 MMA: each element
+    becomes ``e2m1(code) * e4m3(scale)``, which has at most 5 significant bits and lies in
+    [2**-10, 2688], so bf16 holds it exactly; the global scales are left out and their product
+    goes to ``g_out_ptr`` for the GEMM's epilogue. The GEMM on these values with fp32
+    accumulation is then the product of the two dequantized operands that the native FP4 MMA
+    computes, with the two global scales applied once at the end.
+
+    Grid: (M, cdiv(K, BLOCK_K)), one row per program; K a multiple of 16."""
+    pdl_enter(PDL)
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (cols < K) & (pid_m < M)  # M = 0 runs one program, for g
+    row = pid_m.to(tl.int64)
+    # per element: its byte (each read by two neighbouring elements) and its block's scale (16), one
+    # row per program so that every tensor keeps one layout (no conversion through shared memory)
+    codes = tl.load(data_ptr + row * stride_dm + cols // 2, mask=ok, other=0)
+    codes = (codes >> ((cols % 2) * 4).to(tl.uint8)) & 0xF
+    sbits = tl.load(scales_ptr + row * stride_sm + cols // 16, mask=ok, other=0)
+    v = (e2m1_to_f32(codes) * e4m3_to_f32(sbits)).to(tl.bfloat16)
+    tl.store(out_ptr + row * stride_om + cols, v, mask=ok)
+    if (pid_m == 0) & (pid_k == 0):
+        g = tl.load(xg_ptr)
+        if HAS_WG:
+            g = g * tl.load(wg_ptr)
+        tl.store(g_out_ptr, g)

@@ -297,11 +297,11 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     sm_count = props.multi_processor_count if props is not None else None
     packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt,
                                l2_bytes=getattr(props, "L2_cache_size", None) or None) \
-        if config is None and _use_mma_layout(x2, w) else None
+        if config is None and _use_mma_layout(x2, w, path) else None
     if packed_cfg is not None:
         packed = mma_packed(w)
         if packed is not None:
-            return _forward_mma(x, x2, w, packed, bias, out, packed_cfg).reshape(*lead, N)
+            return _forward_mma(x, x2, w, packed, bias, out, packed_cfg, path, input_global_scale).reshape(*lead, N)
     cfg = config or choose_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
     key = guard.GuardKey(kernel=f"fp4_linear[{path},{w.fmt},{x.dtype}]".replace("torch.", ""),
                          config=str(cfg), device=guard.device_name(x.device))
@@ -317,14 +317,15 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
 def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_count: int | None = None, *,
                   fmt: FP4Format | str = "nvfp4", l2_bytes: int | None = None):
     """The configuration of the kernel on weights in MMA operand order (``ops.mma_layout``) that
-    ``fp4_linear`` runs for bf16 activations on compiled CUDA, or None for the Triton kernel:
-    W4A16 decode (M <= MAX_M) on the mma.sync kernel, which every catalogued architecture, SM80 on,
-    has (an ``MMAConfig``); W4A16 above it (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a
-    ``WgmmaConfig``, split along K up to M = 64). The rest (M > MAX_M on other architectures, W4A4)
-    on the Triton kernel. ``l2_bytes``: the device's L2 (``choose_mma_config``'s)."""
+    ``fp4_linear`` runs on compiled CUDA, or None for the Triton kernel: W4A16 decode (M <= MAX_M)
+    on the mma.sync kernel, which every catalogued architecture, SM80 on, has (an ``MMAConfig``);
+    W4A16 above it (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a ``WgmmaConfig``, split along
+    K up to M = 64). Emulated W4A4 (no FP4 MMA) takes the same kernels on its activations
+    dequantized to bf16 (``_forward_mma``). The rest (M > MAX_M on other architectures, native
+    W4A4) on the Triton kernel. ``l2_bytes``: the device's L2 (``choose_mma_config``'s)."""
     from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
 
-    if path != "w4a16" or arch is None:
+    if path == "w4a4_native" or arch is None:
         return None
     if M <= MAX_M:
         return choose_mma_config(M, N, K, sm_count or 132, fmt=fmt, arch=arch, l2_bytes=l2_bytes)
@@ -333,9 +334,11 @@ def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_coun
     return None
 
 
-def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor) -> bool:
-    """bf16 activations on compiled CUDA with a 2-D weight (the packed kernels' domain)."""
-    return x2.dtype == torch.bfloat16 and x2.is_cuda and not interpreting() and len(w.shape) == 2
+def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor, path: Path = "w4a16") -> bool:
+    """Compiled CUDA with a 2-D weight, and bf16 activations or emulated W4A4 (whose dequantized
+    activations are bf16 whatever x's dtype): the packed kernels' domain."""
+    return ((x2.dtype == torch.bfloat16 or path == "w4a4_emulated") and x2.is_cuda and not interpreting()
+            and len(w.shape) == 2)
 
 
 def mma_packed(w: FP4Tensor):
@@ -349,39 +352,61 @@ def mma_packed(w: FP4Tensor):
     return cached_pack(w, pack_mma, with_global=True)
 
 
-def _forward_mma(x, x2, w, packed, bias, out, cfg):
-    """The packed weights through the kernel of ``cfg``: mma.sync (``MMAConfig``) or wgmma."""
-    from .mma_layout import MMAConfig, launch_linear_mma, launch_linear_wgmma
+def _forward_mma(x, x2, w, packed, bias, out, cfg, path: Path = "w4a16", input_global_scale=None):
+    """The packed weights through the kernel of ``cfg``: mma.sync (``MMAConfig``) or wgmma.
+    Emulated W4A4: x quantized to NVFP4 and dequantized to bf16 first (``_launch_packed``)."""
+    from .mma_layout import MMAConfig
 
-    if isinstance(cfg, MMAConfig):
-        kernel, launch = "fp4_linear_mma", launch_linear_mma
+    kernel = "fp4_linear_mma" if isinstance(cfg, MMAConfig) else "fp4_linear_wgmma"
+    if path == "w4a16":
+        mode, name = "w4a16", f"{kernel}[{w.fmt},bfloat16]"
     else:
-        kernel, launch = "fp4_linear_wgmma", launch_linear_wgmma
-    key = guard.GuardKey(kernel=f"{kernel}[{w.fmt},bfloat16]", config=str(cfg), device=guard.device_name(x.device))
+        mode, name = "w4a4", f"{kernel}[w4a4,{w.fmt},{x.dtype}]".replace("torch.", "")
+    key = guard.GuardKey(kernel=name, config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
-        guard.check(key, lambda: _probe_mma(x.device, w.fmt, cfg))
+        guard.check(key, lambda: _probe_mma(x.device, w.fmt, cfg, path, x.dtype))
     if guard.use_reference(key):
-        return fp4_linear_reference(x2, w, bias)
+        return fp4_linear_reference(x2, w, bias, mode=mode, input_global_scale=input_global_scale).to(out.dtype)
+    return _launch_packed(x2, packed, bias, out, cfg, path, input_global_scale)
+
+
+def _launch_packed(x2, packed, bias, out, cfg, path: Path, input_global_scale=None):
+    """``out = x2 @ W^T (+ bias)`` on the packed kernel of ``cfg``. Emulated W4A4 (GPUs without FP4
+    MMA): x2 is quantized to NVFP4 (``quantize_activations``), its codes times block scales go
+    back to bf16 (exact: ``dequantize_activations``) and the W4A16 kernel multiplies them by the
+    weights with fp32 sums, then by the product of both global scales: the products of the two
+    dequantized operands, as the native FP4 MMA forms them."""
+    from dataclasses import replace
+
+    from .mma_layout import MMAConfig, launch_linear_mma, launch_linear_wgmma
+    from .quantize import dequantize_activations
+
+    if path != "w4a16":
+        x2, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale)
+        packed = replace(packed, global_scale=g)
+    launch = launch_linear_mma if isinstance(cfg, MMAConfig) else launch_linear_wgmma
     return launch(x2, packed, bias, out, cfg)
 
 
-def _probe_mma(device: torch.device, fmt: FP4Format, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+def _probe_mma(device: torch.device, fmt: FP4Format, cfg, path: Path = "w4a16",
+               dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """A small problem through the packed-layout kernel of ``cfg`` (an ``MMAConfig`` or a
-    ``WgmmaConfig``), and its reference: more than one program along N, K not a multiple of 64."""
-    from .mma_layout import MMAConfig, launch_linear_mma, launch_linear_wgmma, pack_mma
+    ``WgmmaConfig``) on ``path``, and its reference: more than one program along N, K not a
+    multiple of 64."""
+    from .mma_layout import MMAConfig, pack_mma
 
     g = torch.Generator(device="cpu").manual_seed(1234)
     if isinstance(cfg, MMAConfig):
         # K: three loop steps per split, or per K slice of the in-program split
-        M, N, K, launch = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k * cfg.kw, launch_linear_mma
+        M, N, K = 5, cfg.block_n + 16, 3 * 64 * cfg.kh * cfg.split_k * cfg.kw
     else:
-        M, N, K, launch = cfg.block_m + 3, 32 * cfg.warps + 16, 4 * 64 + 32, launch_linear_wgmma
-    x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.bfloat16)
+        M, N, K = cfg.block_m + 3, 32 * cfg.warps + 16, 4 * 64 + 32
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
     w = quantize(torch.randn(N, K, generator=g), fmt).to(device)
-    bias = torch.randn(N, generator=g).to(device=device, dtype=torch.bfloat16)
-    out = torch.empty((M, N), dtype=torch.bfloat16, device=device)
-    launch(x, pack_mma(w), bias, out, cfg)
-    return out, fp4_linear_reference(x, w, bias)
+    bias = torch.randn(N, generator=g).to(device=device, dtype=dtype)
+    out = torch.empty((M, N), dtype=dtype, device=device)
+    _launch_packed(x, pack_mma(w), bias, out, cfg, path)
+    return out, fp4_linear_reference(x, w, bias, mode="w4a16" if path == "w4a16" else "w4a4")
 
 
 def _probe(device: torch.device, dtype: torch.dtype, fmt: FP4Format, mode: Mode, path: Path,

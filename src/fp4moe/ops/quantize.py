@@ -22,11 +22,12 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..formats import NVFP4
-from ..kernels.quantize import absmax_kernel, nvfp4_quantize_kernel
+from ..kernels.quantize import absmax_kernel, nvfp4_dequantize_kernel, nvfp4_quantize_kernel
 from ..quantize import FP4Tensor, quantize
+from ._runtime import pdl_kwargs
 from .linear import device_arch
 
-__all__ = ["QuantizeConfig", "quantize_activations", "quantize_activations_reference"]
+__all__ = ["QuantizeConfig", "dequantize_activations", "quantize_activations", "quantize_activations_reference"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
@@ -164,8 +165,8 @@ def quantize_activations(
     data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((M, K // _BLOCK), dtype=torch.uint8, device=x.device)
     dynamic = gs is None
-    if dynamic:
-        gs = torch.ones((), dtype=torch.float32, device=x.device)  # the reference's value for empty x
+    if dynamic:  # written by the quantize kernel's first program; for empty x the reference's 1.0
+        gs = (torch.empty if M and K else torch.ones)((), dtype=torch.float32, device=x.device)
     if M and K:
         cfg = config or QuantizeConfig.from_heuristic(M, K, x2.dtype)
         tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
@@ -191,3 +192,40 @@ def quantize_activations(
         shape=x.shape,
         fmt=NVFP4,
     )
+
+
+#: the dequantize kernel's tile: 1,024 columns of one row (4 warps, 8 elements per thread)
+_DEQUANT_BLOCK_K = 1024
+
+
+def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 activations ``xq`` [M, K] (``quantize_activations``' result) back to bf16 for the
+    W4A4 path of GPUs without FP4 MMA (one Triton kernel, ``nvfp4_dequantize_kernel``).
+
+    Returns ``(x_hat, g)``: x_hat [M, K] bf16 holds ``e2m1(code) * e4m3(block scale)``, exact in
+    bf16, *without* the global scale; ``g`` [1] fp32 is ``xq.global_scale * weight_global_scale``
+    (or the former alone), for the GEMM to apply once to its fp32 sums. ``dequantize(xq)`` equals
+    ``x_hat.float() * xq.global_scale`` up to the rounding of that last product."""
+    if not isinstance(xq, FP4Tensor) or xq.fmt is not NVFP4:
+        raise TypeError(f"xq: expected an NVFP4 FP4Tensor, got {type(xq).__name__}"
+                        + (f" in {xq.fmt}" if isinstance(xq, FP4Tensor) else ""))
+    if xq.data.dim() != 2 or xq.global_scale is None or xq.global_scale.numel() != 1:
+        raise ValueError(f"xq: expected 2-D activations [M, K] with one global scale, got data "
+                         f"{tuple(xq.data.shape)}")
+    M, K = xq.shape
+    out = torch.empty((M, K), dtype=torch.bfloat16, device=xq.device)
+    g = torch.empty((1,), dtype=torch.float32, device=xq.device)
+    data, scales = xq.data, xq.scales.view(torch.uint8)
+    if data.stride(-1) != 1 or scales.stride(-1) != 1:
+        raise ValueError("xq: packed codes and scales must be contiguous along K")
+    wg = weight_global_scale
+    if wg is not None and (wg.numel() != 1 or wg.dtype != torch.float32):
+        raise ValueError(f"weight_global_scale: expected one fp32 value, got {wg.dtype} of shape {tuple(wg.shape)}")
+    grid = (max(1, M), max(1, triton.cdiv(K, _DEQUANT_BLOCK_K)))
+    with torch.cuda.device(xq.device) if xq.data.is_cuda else contextlib.nullcontext():
+        nvfp4_dequantize_kernel[grid](
+            data, scales, xq.global_scale, wg if wg is not None else xq.global_scale, out, g, M, K,
+            data.stride(0), scales.stride(0), out.stride(0), BLOCK_K=_DEQUANT_BLOCK_K,
+            HAS_WG=wg is not None, num_warps=4, **pdl_kwargs(xq.device))
+    return out, g

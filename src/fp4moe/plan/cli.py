@@ -82,8 +82,10 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                     problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
                 items.append((kernel, problem))
             else:
-                items.append((_linear_kernel(op.M, op.N, op.K, mode, target),
-                              LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
+                kernel = _linear_kernel(op.M, op.N, op.K, mode, target)
+                # emulated W4A4 on a packed kernel runs W4A16 on x dequantized to bf16 (ops.linear._launch_packed)
+                items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt,
+                                                    mode="w4a16" if kernel != "fp4_linear" else mode)))
         if mode == "w4a4":  # the activation quantizer runs once per token before the experts
             entries.append((t, "quantize x (NVFP4)", None))
             items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))
@@ -93,11 +95,14 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
 
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
     """The registered kernel ``fp4_linear`` runs for this shape on ``arch`` (``ops.linear.packed_config``):
-    bf16 W4A16 decode on the mma.sync kernel, prefill on SM90 on the wgmma kernel, else the Triton kernel."""
-    from ..ops.linear import packed_config
+    bf16 W4A16 decode on the mma.sync kernel, prefill on SM90 on the wgmma kernel, else the Triton kernel;
+    emulated W4A4 (no FP4 MMA) the same packed kernels on its activations dequantized to bf16."""
+    from ..arch import get_arch
+    from ..ops.linear import packed_config, target_path
     from ..ops.mma_layout import MMAConfig, WgmmaConfig
 
-    cfg = packed_config(mode, arch, M, N, K) if mode == "w4a16" else None
+    arch = get_arch(arch) if arch is not None else None
+    cfg = packed_config(target_path(mode, arch), arch, M, N, K)
     if isinstance(cfg, WgmmaConfig):
         return "fp4_linear_wgmma"
     return "fp4_linear_mma" if isinstance(cfg, MMAConfig) else "fp4_linear"
