@@ -462,6 +462,22 @@ def test_dequantize_is_exact(M, K, weight_global, device):
     assert float(g) == float(gx * (weight_global if weight_global is not None else 1.0))
 
 
+@pytest.mark.parametrize("M,K", [(3, 80), (2, 1040), (1, 2048)])
+def test_dequantize_in_mma_order(M, K, device):
+    """With k_stored the rows come out in the packed weights' K order, zero past K: what
+    mma_order_rows makes of the plain result (the wgmma kernel's input)."""
+    from fp4moe.ops.mma_layout import mma_order_rows
+
+    xq = quantize_activations((normal(M, K, _gen(K)) * 2).to(device=device, dtype=torch.bfloat16))
+    k_stored = -(-K // 64) * 64
+    plain, g = dequantize_activations(xq)
+    ordered, g2 = dequantize_activations(xq, k_stored=k_stored)
+    assert ordered.shape == (M, k_stored) and torch.equal(g, g2)
+    assert torch.equal(ordered.view(torch.int16), mma_order_rows(plain, k_stored).view(torch.int16))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        dequantize_activations(xq, k_stored=K - 16)
+
+
 def test_dequantize_refuses_what_it_cannot_read(device):
     x = torch.randn(2, 64, device=device, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="NVFP4 FP4Tensor"):
@@ -506,10 +522,11 @@ for cc in json.loads(sys.argv[1]):
     amax = triton.compile(ASTSource(absmax_kernel, sig, consts, {(0,): div16, (4,): div16}),
                           target=target, options={"num_warps": cfg.num_warps})
     sig = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",
-           "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_dm": "i32", "stride_sm": "i32",
-           "stride_om": "i32", "BLOCK_K": "constexpr", "HAS_WG": "constexpr", "PDL": "constexpr"}
-    consts = {"BLOCK_K": 1024, "HAS_WG": True, "PDL": cc >= 90}
-    deq = triton.compile(ASTSource(nvfp4_dequantize_kernel, sig, consts, {(i,): div16 for i in (0, 1, 4, 8, 10)}),
+           "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "K_OUT": "i32", "stride_dm": "i32", "stride_sm": "i32",
+           "stride_om": "i32", "BLOCK_K": "constexpr", "HAS_WG": "constexpr", "MMA_ORDER": "constexpr",
+           "PDL": "constexpr"}
+    consts = {"BLOCK_K": 1024, "HAS_WG": True, "MMA_ORDER": cc == 90, "PDL": cc >= 90}
+    deq = triton.compile(ASTSource(nvfp4_dequantize_kernel, sig, consts, {(i,): div16 for i in (0, 1, 4, 9, 11)}),
                          target=target, options={"num_warps": 4})
     ptx = quant.asm["ptx"]
     results.append({"cc": cc, "ptx": len(ptx), "shared": quant.metadata.shared,

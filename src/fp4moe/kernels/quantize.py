@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from .fp4_decode import e2m1_to_f32, e4m3_to_f32
+from .gemm_wgmma import stored_pair
 from .pdl import pdl_enter
 
 
@@ -639,10 +640,10 @@ def nvfp4_dequantize_kernel(
     scales_ptr,  # [M, K // 16] uint8 E4M3 bits of the block scales (rows stride_sm apart)
     xg_ptr,      # [] fp32: the activations' global scale
     wg_ptr,      # [] fp32: the weight's global scale (HAS_WG), else unused
-    out_ptr,     # [M, K] bf16 (rows stride_om apart): code value * block scale, without the global scales
+    out_ptr,     # [M, K_OUT] bf16 (rows stride_om apart): code value * block scale, without the global scales
     g_out_ptr,   # [] fp32: receives xg * wg (or xg)
-    M, K, stride_dm, stride_sm, stride_om,
-    BLOCK_K: tl.constexpr, HAS_WG: tl.constexpr, PDL: tl.constexpr,
+    M, K, K_OUT, stride_dm, stride_sm, stride_om,
+    BLOCK_K: tl.constexpr, HAS_WG: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
 ):
     """NVFP4 activations back to bf16 for the W4A4 path on GPUs without FP4 MMA: each element
     becomes ``e2m1(code) * e4m3(scale)``, which has at most 5 significant bits and lies in
@@ -651,20 +652,26 @@ def nvfp4_dequantize_kernel(
     accumulation is then the product of the two dequantized operands that the native FP4 MMA
     computes, with the two global scales applied once at the end.
 
-    Grid: (M, cdiv(K, BLOCK_K)), one row per program; K a multiple of 16."""
+    MMA_ORDER: each row is written in the packed weights' K order for the wgmma kernel's TMA loads
+    (what ``mma_order_rows`` would make of it, K_OUT a multiple of 64 >= K, zeros past K); else
+    K_OUT = K in x's order. Grid: (M, cdiv(K_OUT, BLOCK_K)), one row per program; K a multiple of 16."""
     pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (cols < K) & (pid_m < M)  # M = 0 runs one program, for g
+    if MMA_ORDER:  # output column c holds element 2 stored_pair(c // 2) + c % 2
+        src = 2 * stored_pair(cols // 2) + cols % 2
+    else:
+        src = cols
+    ok = (src < K) & (pid_m < M)  # M = 0 runs one program, for g
     row = pid_m.to(tl.int64)
     # per element: its byte (each read by two neighbouring elements) and its block's scale (16), one
     # row per program so that every tensor keeps one layout (no conversion through shared memory)
-    codes = tl.load(data_ptr + row * stride_dm + cols // 2, mask=ok, other=0)
-    codes = (codes >> ((cols % 2) * 4).to(tl.uint8)) & 0xF
-    sbits = tl.load(scales_ptr + row * stride_sm + cols // 16, mask=ok, other=0)
-    v = (e2m1_to_f32(codes) * e4m3_to_f32(sbits)).to(tl.bfloat16)
-    tl.store(out_ptr + row * stride_om + cols, v, mask=ok)
+    codes = tl.load(data_ptr + row * stride_dm + src // 2, mask=ok, other=0)
+    codes = (codes >> ((src % 2) * 4).to(tl.uint8)) & 0xF
+    sbits = tl.load(scales_ptr + row * stride_sm + src // 16, mask=ok, other=0)
+    v = (e2m1_to_f32(codes) * e4m3_to_f32(sbits)).to(tl.bfloat16)  # 0 where masked: K padding
+    tl.store(out_ptr + row * stride_om + cols, v, mask=(cols < K_OUT) & (pid_m < M))
     if (pid_m == 0) & (pid_k == 0):
         g = tl.load(xg_ptr)
         if HAS_WG:

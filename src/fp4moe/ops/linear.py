@@ -378,14 +378,20 @@ def _launch_packed(x2, packed, bias, out, cfg, path: Path, input_global_scale=No
     dequantized operands, as the native FP4 MMA forms them."""
     from dataclasses import replace
 
-    from .mma_layout import MMAConfig, launch_linear_mma, launch_linear_wgmma
+    from .mma_layout import KCHUNK, MMAConfig, launch_linear_mma, launch_linear_wgmma
     from .quantize import dequantize_activations
 
-    if path != "w4a16":
-        x2, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale)
-        packed = replace(packed, global_scale=g)
-    launch = launch_linear_mma if isinstance(cfg, MMAConfig) else launch_linear_wgmma
-    return launch(x2, packed, bias, out, cfg)
+    if isinstance(cfg, MMAConfig):
+        if path != "w4a16":
+            x2, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale)
+            packed = replace(packed, global_scale=g)
+        return launch_linear_mma(x2, packed, bias, out, cfg)
+    if path == "w4a16":
+        return launch_linear_wgmma(x2, packed, bias, out, cfg)
+    # the wgmma kernel reads x in MMA K order: the dequantization writes it so (no second pass)
+    x_hat, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale,
+                                      k_stored=packed.words.shape[1] * KCHUNK)
+    return launch_linear_wgmma(x_hat, replace(packed, global_scale=g), bias, out, cfg, x_mma_order=True)
 
 
 def _probe_mma(device: torch.device, fmt: FP4Format, cfg, path: Path = "w4a16",

@@ -927,10 +927,12 @@ def wgmma_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[st
 
 
 def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
-                        config: WgmmaConfig = WgmmaConfig()) -> torch.Tensor:
+                        config: WgmmaConfig = WgmmaConfig(), *, x_mma_order: bool = False) -> torch.Tensor:
     """``out[M, N] = x2[M, K] @ W^T (+ bias)`` on SM90 (wgmma; compiled CUDA only): two launches,
     the pass into MMA K order (``mma_order_rows``) and the GEMM, and with ``config.split_k`` a third,
-    the reduction of the fp32 partials (bias and cast there)."""
+    the reduction of the fp32 partials (bias and cast there). ``x_mma_order``: x2 already is
+    [M, K stored] in MMA K order, contiguous (``ops.quantize.dequantize_activations(k_stored=...)``),
+    and the first pass is skipped."""
     import triton
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
@@ -941,7 +943,9 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     k_stored = p.words.shape[1] * KCHUNK
     if M == 0:
         return out
-    x_desc = _x_desc(mma_order_rows(x2, k_stored), config.block_m)
+    if x_mma_order and (tuple(x2.shape) != (M, k_stored) or x2.dtype != torch.bfloat16 or not x2.is_contiguous()):
+        raise ValueError(f"x2: x_mma_order needs a contiguous bf16 [{M}, {k_stored}], got {x2.dtype} {tuple(x2.shape)}")
+    x_desc = _x_desc(x2 if x_mma_order else mma_order_rows(x2, k_stored), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
     w_desc = _w_desc(p, _w_box_rows(config, False))

@@ -198,15 +198,19 @@ def quantize_activations(
 _DEQUANT_BLOCK_K = 1024
 
 
-def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | None = None, *,
+                           k_stored: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 activations ``xq`` [M, K] (``quantize_activations``' result) back to bf16 for the
     W4A4 path of GPUs without FP4 MMA (one Triton kernel, ``nvfp4_dequantize_kernel``).
 
     Returns ``(x_hat, g)``: x_hat [M, K] bf16 holds ``e2m1(code) * e4m3(block scale)``, exact in
     bf16, *without* the global scale; ``g`` [1] fp32 is ``xq.global_scale * weight_global_scale``
     (or the former alone), for the GEMM to apply once to its fp32 sums. ``dequantize(xq)`` equals
-    ``x_hat.float() * xq.global_scale`` up to the rounding of that last product."""
+    ``x_hat.float() * xq.global_scale`` up to the rounding of that last product.
+
+    ``k_stored`` (a multiple of 64, >= K): x_hat is [M, k_stored] in the packed weights' MMA K
+    order instead, zeros past K, what ``ops.mma_layout.mma_order_rows`` makes of the plain result:
+    the wgmma kernel's input, without that second pass."""
     if not isinstance(xq, FP4Tensor) or xq.fmt is not NVFP4:
         raise TypeError(f"xq: expected an NVFP4 FP4Tensor, got {type(xq).__name__}"
                         + (f" in {xq.fmt}" if isinstance(xq, FP4Tensor) else ""))
@@ -214,7 +218,10 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
         raise ValueError(f"xq: expected 2-D activations [M, K] with one global scale, got data "
                          f"{tuple(xq.data.shape)}")
     M, K = xq.shape
-    out = torch.empty((M, K), dtype=torch.bfloat16, device=xq.device)
+    if k_stored is not None and (k_stored % 64 or k_stored < K):
+        raise ValueError(f"k_stored: expected a multiple of 64 >= K = {K}, got {k_stored}")
+    k_out = K if k_stored is None else k_stored
+    out = torch.empty((M, k_out), dtype=torch.bfloat16, device=xq.device)
     g = torch.empty((1,), dtype=torch.float32, device=xq.device)
     data, scales = xq.data, xq.scales.view(torch.uint8)
     if data.stride(-1) != 1 or scales.stride(-1) != 1:
@@ -222,10 +229,10 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
     wg = weight_global_scale
     if wg is not None and (wg.numel() != 1 or wg.dtype != torch.float32):
         raise ValueError(f"weight_global_scale: expected one fp32 value, got {wg.dtype} of shape {tuple(wg.shape)}")
-    grid = (max(1, M), max(1, triton.cdiv(K, _DEQUANT_BLOCK_K)))
+    grid = (max(1, M), max(1, triton.cdiv(k_out, _DEQUANT_BLOCK_K)))
     with torch.cuda.device(xq.device) if xq.data.is_cuda else contextlib.nullcontext():
         nvfp4_dequantize_kernel[grid](
-            data, scales, xq.global_scale, wg if wg is not None else xq.global_scale, out, g, M, K,
+            data, scales, xq.global_scale, wg if wg is not None else xq.global_scale, out, g, M, K, k_out,
             data.stride(0), scales.stride(0), out.stride(0), BLOCK_K=_DEQUANT_BLOCK_K,
-            HAS_WG=wg is not None, num_warps=4, **pdl_kwargs(xq.device))
+            HAS_WG=wg is not None, MMA_ORDER=k_stored is not None, num_warps=4, **pdl_kwargs(xq.device))
     return out, g
