@@ -175,6 +175,39 @@ def test_gpu_model_sizes(case, mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,E,k,H,I", [(1, 64, 8, 1024, 512), (7, 16, 4, 512, 256), (128, 16, 4, 512, 256)],
+                         ids=["decode_one_token", "decode", "wgmma_32_rows_per_expert"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic_scale", "static_scale"])
+def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, dtype, static):
+    """Without FP4 MMA (SM80-SM90) the W4A4 layer runs the packed W4A16 kernels on its activations
+    quantized to NVFP4 and dequantized to bf16 (ops.moe._W4A4Chain): the reference's numbers within
+    the W4A4 tolerance, one dropped slot, bitwise repeatable, and replayable in a CUDA graph."""
+    from fp4moe.ops.linear import device_arch
+    from fp4moe.ops.moe import random_moe_problem
+
+    if device_arch(torch.device("cuda")).fp4_mma != "none":
+        pytest.skip("native FP4 MMA: W4A4 runs on the Triton kernel's dot_scaled path")
+    p = random_moe_problem(T, E, k, H, I, "nvfp4", device="cuda", dtype=dtype, seed=T, dropped=(0, k - 1))
+    gs = torch.tensor([0.05], device="cuda") if static else None
+    run = lambda: fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, mode="w4a4",  # noqa: E731
+                                  input_global_scale=gs)
+    y = run()
+    kernel = "fp4_moe_wgmma" if T * k / E > 8 else "fp4_moe_mma"
+    keys = [key.kernel for key in guard._checked]
+    assert any(key.startswith(f"{kernel}[w4a4,") for key in keys), keys
+    ref = fp4_moe_reference(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, mode="w4a4", input_global_scale=gs)
+    assert y.dtype == dtype
+    assert_close(y, ref, "w4a4")
+    assert torch.equal(run(), y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    graph.replay()
+    assert torch.equal(out, y)
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_and_compile():
     case = Case(16, 64, 4, 1024, 512, "")
     x, w13, w2, ids, wts, _, _ = _problem(case, "nvfp4", "cuda")

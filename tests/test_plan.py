@@ -574,7 +574,8 @@ def test_mma_decode_plan_on_every_architecture(cache):
 def test_plan_follows_the_runtime_moe_routing():
     """``fp4moe plan`` plans the MoE experts on the kernel the runtime runs: the grouped mma.sync
     kernel at decode (any architecture), the wgmma kernel at SM90 prefill (not for gpt-oss's
-    interleaved w13), the Triton kernel otherwise; the two GEMMs share one tile height."""
+    interleaved w13), the Triton kernel otherwise and for native W4A4; the two GEMMs share one
+    tile height."""
     from fp4moe.models import get_model
     from fp4moe.plan.cli import plan_model
 
@@ -590,5 +591,9 @@ def test_plan_follows_the_runtime_moe_routing():
     assert {r.kernel for _, name, _, r in sm120 if name.startswith("experts")} == {"fp4_moe_gemm"}
     oss = plan_model(get_model("gpt-oss-120b"), arch="sm90", tokens=(4096,), compile=False)
     assert {r.kernel for _, name, _, r in oss if name.startswith("experts")} == {"fp4_moe_gemm"}
+    # emulated W4A4 (SM90) runs the packed kernels as W4A16 on its dequantized activations; native W4A4
+    # (SM120) the Triton kernel's FP4 MMA
     w4a4 = plan_model(glm, arch="sm90", tokens=(16,), mode="w4a4", compile=False)
-    assert {r.kernel for _, name, _, r in w4a4 if name.startswith("experts")} == {"fp4_moe_gemm"}
+    assert {(r.kernel, r.problem.mode) for _, name, _, r in w4a4 if name.startswith("experts")} == {("fp4_moe_mma", "w4a16")}
+    w4a4 = plan_model(glm, arch="sm120", tokens=(16,), mode="w4a4", compile=False)
+    assert {(r.kernel, r.problem.mode) for _, name, _, r in w4a4 if name.startswith("experts")} == {("fp4_moe_gemm", "w4a4")}

@@ -161,13 +161,15 @@ class FP4MoE(nn.Module):
         probe = fn(torch.zeros(1, device=self.w13.device))
         if probe.device != self.w13.device:
             self.w13, self.w2 = self.w13.to(probe.device), self.w2.to(probe.device)
-        if self.w13.device.type == "cuda" and self.mode == "w4a16":
-            # decode-sized calls read the experts in MMA operand order (ops.moe.mma_packed_experts):
-            # pack them now, outside any CUDA graph capture
+        if self.w13.device.type == "cuda":
+            # the packed kernels read the experts in MMA operand order (ops.moe.mma_packed_experts): W4A16,
+            # and W4A4 where the GPU has no FP4 MMA; pack them now, outside any CUDA graph capture
+            from .ops.linear import device_arch, target_path
             from .ops.moe import mma_packed_experts
             from .ops.mma_layout import ROWS
 
-            if self.w13.shape[1] % ROWS == 0 and self.w2.shape[1] % ROWS == 0:
+            if (target_path(self.mode, device_arch(self.w13.device)) != "w4a4_native"
+                    and self.w13.shape[1] % ROWS == 0 and self.w2.shape[1] % ROWS == 0):
                 mma_packed_experts(self.w13)
                 mma_packed_experts(self.w2)
         return self

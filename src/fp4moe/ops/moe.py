@@ -298,7 +298,7 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
             packed = (mma_packed_experts(w13), mma_packed_experts(w2))
             if None not in packed:
                 return _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias,
-                                    w2_bias, shared_out, out, packed_cfg)
+                                    w2_bias, shared_out, out, packed_cfg, mode, input_global_scale)
         configs = choose_moe_configs(T, k, E, H, I, arch=arch, mode=mode)
     g1, g2 = configs
     if g1.block_m != g2.block_m:
@@ -350,10 +350,15 @@ def _run(x, w13, w2, topk_ids, topk_weights, plan, configs, k, act, activation, 
 def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: str, arch, rows_per_expert: float,
                          interleaved: bool):
     """The configuration of the kernels on weights in MMA operand order (``ops.mma_layout``), or None
-    for ``moe_gemm_kernel``: W4A16 with bf16 activations on compiled CUDA, the kernel from
-    ``packed_moe_kernel`` (an ``MMAConfig`` for the mma.sync kernel, a ``WgmmaConfig`` for the
-    wgmma kernel with the activation fused into GEMM 1)."""
-    if not (mode == "w4a16" and x.dtype == torch.bfloat16 and x.is_cuda and not interpreting() and arch is not None):
+    for ``moe_gemm_kernel``: on compiled CUDA, W4A16 with bf16 activations, or emulated W4A4 (no FP4
+    MMA; ``_W4A4Chain``) with bf16 or fp16 activations; the kernel from ``packed_moe_kernel`` (an
+    ``MMAConfig`` for the mma.sync kernel, a ``WgmmaConfig`` for the wgmma kernel with the activation
+    fused into GEMM 1)."""
+    from .linear import target_path
+
+    if not (x.is_cuda and not interpreting() and arch is not None):
+        return None
+    if not ((mode == "w4a16" and x.dtype == torch.bfloat16) or (mode == "w4a4" and target_path(mode, arch) == "w4a4_emulated")):
         return None
     kernel = packed_moe_kernel(arch, rows_per_expert, w13.shape[1], w2.shape[1], interleaved)
     if kernel == "mma":
@@ -501,17 +506,20 @@ def decode_fuses_swiglu(cfg, activation: str, interleaved: bool, I: int, tiles: 
 
 
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
-             shared_out, out, fused=None):
+             shared_out, out, fused=None, requant=None):
     """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
     partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
     the combine in one kernel; ``cfg`` (an ``MMAConfig``) for both GEMMs, the plan made for
-    ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``) pins GEMM 1's variant."""
+    ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``) pins GEMM 1's variant. ``requant``
+    (emulated W4A4, ``_W4A4Chain``): h -> (GEMM 2's bf16 input, w2 with its global scales) between
+    the GEMMs; h is then in ``out``'s dtype, zero in the rows of dropped slots."""
     from .mma_layout import launch_grouped_mma, launch_grouped_mma_swiglu
 
     T, H = x.shape
     I = w2.shape[2]
     p13, p2 = packed
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)
+    h = (torch.zeros if requant else torch.empty)((T * k, I), dtype=out.dtype if requant else x.dtype,
+                                                 device=x.device)
     if fused is None:
         fused = decode_fuses_swiglu(cfg, activation, interleaved, I, plan.max_tiles, x.device)
     if fused:
@@ -520,7 +528,9 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
         launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved,
                                  scatter=False, row_weight=None, bias=w13_bias)
-    # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two kernels back
+    if requant:
+        h, w2 = requant(h)
+    # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
     part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False, plan_ready=True)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
@@ -547,10 +557,11 @@ def wgmma_gemm2_config(cfg):
 
 
 def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias, shared_out,
-               out):
+               out, requant=None):
     """GEMM 1 with the activation fused (writes h) -> GEMM 2 with the routing weight, scattered to
     pair rows -> combine; ``cfg`` GEMM 1's ``WgmmaConfig`` (GEMM 2's: ``wgmma_gemm2_config``), the
-    plan made for its block_m."""
+    plan made for its block_m. ``requant`` as ``_run_mma``'s: h is then written in K order (the
+    quantizer's blocks are 16 consecutive K) and ``requant`` returns it in GEMM 2's MMA K order."""
     from .mma_layout import KCHUNK, launch_grouped_wgmma
 
     T, H = x.shape
@@ -558,10 +569,16 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
     p13, p2 = packed
     # h in GEMM 2's MMA K order (its columns past I, if any, stay zero): GEMM 2's TMA reads it as it is
     i_stored = p2.words.shape[1] * KCHUNK
-    h = (torch.empty if i_stored == I else torch.zeros)((T * k, i_stored), dtype=x.dtype, device=x.device)
+    if requant:
+        h = torch.zeros((T * k, I), dtype=out.dtype, device=x.device)
+    else:
+        h = (torch.empty if i_stored == I else torch.zeros)((T * k, i_stored), dtype=x.dtype, device=x.device)
     alpha, limit = GPT_OSS_ALPHA, GPT_OSS_LIMIT
-    launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=True, swiglu=_SWIGLU[activation],
-                         alpha=alpha, limit=limit, globals_=_weight_globals(w13), bias=w13_bias)
+    launch_grouped_wgmma(x, p13, 2 * I, plan, h, cfg, gather=True, out_mma_order=not requant,
+                         swiglu=_SWIGLU[activation], alpha=alpha, limit=limit, globals_=_weight_globals(w13),
+                         bias=w13_bias)
+    if requant:
+        h, w2 = requant(h, k_stored=i_stored)
     y_pair = torch.empty((T * k, H), dtype=PAIR_ROWS_DTYPE, device=x.device)
     # per sorted row: reading it per pair in this kernel's epilogue costs GEMM 2 ~170 B of spills
     row_w = _pair_weights(topk_weights)[plan.sorted_pair.long()]
@@ -571,18 +588,51 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
 
 
 def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
-                shared_out, out, fused=None):
+                shared_out, out, fused=None, mode: str = "w4a16", input_global_scale=None):
+    """The layer on the packed kernels of ``cfg``; emulated W4A4 through ``_W4A4Chain``."""
     from .mma_layout import MMAConfig
 
+    requant = None
+    if mode == "w4a4":
+        chain = _W4A4Chain(w2)
+        x, w13 = chain.activations(x, w13, input_global_scale)
+        requant = chain.hidden
     if isinstance(cfg, MMAConfig):
         return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
-                        w2_bias, shared_out, out, fused)
+                        w2_bias, shared_out, out, fused, requant)
     return _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias,
-                      shared_out, out)
+                      shared_out, out, requant)
+
+
+class _W4A4Chain:
+    """Emulated W4A4 (GPUs without FP4 MMA) on the packed W4A16 kernels, as ``ops.linear`` runs it:
+    each GEMM's activations are quantized to NVFP4 (x once per token, h over all its rows with one
+    dynamic global scale, as ``_run`` does) and their codes times block scales dequantized to bf16,
+    exactly (``ops.quantize.dequantize_activations``); the activations' global scale joins the
+    experts' global scales, which the GEMM epilogues apply to the fp32 sums (before the SwiGLU)."""
+
+    def __init__(self, w2: FP4Tensor):
+        self.w2 = w2
+
+    @staticmethod
+    def _scaled(w: FP4Tensor, g: torch.Tensor) -> FP4Tensor:
+        return replace(w, global_scale=w.global_scale * g)  # [E] or [E, N] per-row globals, times [1]
+
+    def activations(self, x: torch.Tensor, w13: FP4Tensor, input_global_scale):
+        from .quantize import dequantize_activations
+
+        x_hat, g = dequantize_activations(_quantize_rows(x, input_global_scale))
+        return x_hat, self._scaled(w13, g)
+
+    def hidden(self, h: torch.Tensor, k_stored: int | None = None):
+        from .quantize import dequantize_activations
+
+        h_hat, g = dequantize_activations(_quantize_rows(h, None), k_stored=k_stored)
+        return h_hat, self._scaled(self.w2, g)
 
 
 def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias, w2_bias,
-                 shared_out, out, cfg):
+                 shared_out, out, cfg, mode: str = "w4a16", input_global_scale=None):
     E = w13.shape[0]
     layout = "interleaved" if interleaved else "gate_up"
     wg_mode = _weight_globals(w13)[1]
@@ -593,18 +643,21 @@ def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, inte
                                     max_tiles(topk_ids.numel(), E, cfg.block_m), x.device)
     variant = f"{w13.fmt},{activation},{layout},wg{wg_mode}" + (",bias" if has_bias else "") + \
         (",swiglu_fused" if fused else "")
+    if mode != "w4a16":  # the emulated W4A4 chain, and the dtype its h is kept in
+        variant = f"w4a4,{str(x.dtype).replace('torch.', '')},{variant}"
     kernel = "fp4_moe_mma" if str(cfg).startswith("mma") else "fp4_moe_wgmma"
     key = guard.GuardKey(kernel=f"{kernel}[{variant}]", config=str(cfg), device=guard.device_name(x.device))
     if guard.should_check(key):
-        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, "w4a16", None,
+        guard.check(key, lambda: _probe(x.device, x.dtype, w13.fmt.name, activation, interleaved, mode, None,
                                         per_row=wg_mode == 2, bias=has_bias, mma_config=cfg, fused=fused),
-                    tolerance="fp4_moe")
+                    tolerance="fp4_moe" if mode == "w4a16" else "fp4_moe_w4a4")
     if guard.use_reference(key):
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
-                                 w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out)
+                                 w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out, mode=mode,
+                                 input_global_scale=input_global_scale)
     plan = dispatch(topk_ids, E, cfg.block_m)
     return _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
-                       w2_bias, shared_out, out, fused)
+                       w2_bias, shared_out, out, fused, mode, input_global_scale)
 
 
 @dataclass
@@ -678,7 +731,7 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
         packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
         out = _run_packed(p.x, p.w13, p.w2, packed, p.topk_ids, p.topk_weights,
                           dispatch(p.topk_ids, E, mma_config.block_m), mma_config, k, activation, interleaved,
-                          p.w13_bias, p.w2_bias, None, out, fused)
+                          p.w13_bias, p.w2_bias, None, out, fused, mode)
     else:
         out = _run(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, dispatch(p.topk_ids, E, configs[0].block_m), configs,
                    k, _act_code(mode, p.w13, device), activation, interleaved, p.w13_bias, p.w2_bias, None, None, out)

@@ -78,7 +78,8 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                 problem = moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt, mode=mode, arch=target)
                 kernel = _moe_kernel(model, problem, target)
                 if kernel != "fp4_moe_gemm":  # both GEMMs run on one plan: pin the runtime's tile height
-                    problem = dataclasses.replace(problem, block_m=None)
+                    # (emulated W4A4 runs them as W4A16 on its dequantized activations, ops.moe._W4A4Chain)
+                    problem = dataclasses.replace(problem, block_m=None, mode="w4a16")
                     problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
                 items.append((kernel, problem))
             else:
@@ -113,14 +114,17 @@ _GROUPED_KERNELS = ("fp4_moe_gemm", "fp4_moe_mma", "fp4_moe_wgmma")
 
 
 def _moe_kernel(model, problem, arch) -> str:
-    """The runtime's choice (``ops.moe.packed_moe_kernel``) for bf16 W4A16 experts: the grouped
-    mma.sync kernel at decode, the wgmma kernel above (SM90, gate-then-up w13: gpt-oss checkpoints
-    interleave gate and up rows), otherwise the Triton kernel."""
+    """The runtime's choice (``ops.moe.packed_moe_kernel``) for bf16 W4A16 experts and emulated W4A4:
+    the grouped mma.sync kernel at decode, the wgmma kernel above (SM90, gate-then-up w13: gpt-oss
+    checkpoints interleave gate and up rows), otherwise (and for native W4A4) the Triton kernel."""
     from ..ops.moe import packed_moe_kernel
 
     H, inter = problem.hidden_and_intermediate()
+    from ..arch import get_arch
+    from ..ops.linear import target_path
+
     kernel = packed_moe_kernel(arch, problem.pairs / problem.E, 2 * inter, H, model.routing.kind == "gpt_oss")
-    if problem.mode != "w4a16" or kernel is None:
+    if kernel is None or target_path(problem.mode, get_arch(arch) if arch is not None else None) == "w4a4_native":
         return "fp4_moe_gemm"
     return f"fp4_moe_{kernel}"
 
