@@ -444,7 +444,7 @@ def test_gpu_bit_exact_large(global_scale):
 
 
 @pytest.mark.parametrize("M,K", [(1, 16), (3, 80), (5, 1040), (9, 512), (0, 64)])
-@pytest.mark.parametrize("weight_global", [None, 0.37])
+@pytest.mark.parametrize("weight_global", [None, 0.37, (0.37, 2.5, 1e-3)], ids=["none", "one", "per_expert"])
 def test_dequantize_is_exact(M, K, weight_global, device):
     """x_hat holds code * block scale exactly (times the activations' global scale it is
     ``fp4moe.dequantize`` bit for bit) and g the product of the two global scales; tiles that end
@@ -452,14 +452,14 @@ def test_dequantize_is_exact(M, K, weight_global, device):
     x = normal(M, K, _gen(M * 7 + K)) * 3
     x[:, :16] = 0  # a zero block: scale 1.0, codes 0 (x[:, :16] of no rows when M = 0)
     xq = quantize_activations(x.to(device=device, dtype=torch.bfloat16))
-    wg = None if weight_global is None else torch.tensor([weight_global], dtype=torch.float32, device=device)
+    wg = None if weight_global is None else torch.tensor(weight_global, dtype=torch.float32, device=device).reshape(-1)
     x_hat, g = dequantize_activations(xq, wg)
-    assert x_hat.shape == (M, K) and x_hat.dtype == torch.bfloat16 and g.shape == (1,)
+    assert x_hat.shape == (M, K) and x_hat.dtype == torch.bfloat16 and g.shape == ((1,) if wg is None else wg.shape)
     gx = xq.global_scale.float().cpu()
     want = fp4moe_dequantize(xq)
     assert torch.equal((x_hat.float().cpu() * gx).view(torch.int32), want.view(torch.int32))
     assert bool((x_hat[:, :16] == 0).all())
-    assert float(g) == float(gx * (weight_global if weight_global is not None else 1.0))
+    assert torch.equal(g.cpu(), gx * (wg.cpu() if wg is not None else torch.ones(1)))
 
 
 @pytest.mark.parametrize("M,K", [(3, 80), (2, 1040), (1, 2048)])
@@ -484,8 +484,10 @@ def test_dequantize_refuses_what_it_cannot_read(device):
         dequantize_activations(quantize(x.float().cpu(), "mxfp4"))
     with pytest.raises(ValueError, match="2-D activations"):
         dequantize_activations(quantize_activations(x.reshape(2, 1, 64)))
-    with pytest.raises(ValueError, match="one fp32 value"):
-        dequantize_activations(quantize_activations(x), torch.ones(2, device=device))
+    with pytest.raises(ValueError, match="contiguous fp32 values"):
+        dequantize_activations(quantize_activations(x), torch.ones(2048, device=device))
+    with pytest.raises(ValueError, match="contiguous fp32 values"):
+        dequantize_activations(quantize_activations(x), torch.ones(2, device=device, dtype=torch.float64))
 
 
 def fp4moe_dequantize(xq: FP4Tensor) -> torch.Tensor:
@@ -523,9 +525,9 @@ for cc in json.loads(sys.argv[1]):
                           target=target, options={"num_warps": cfg.num_warps})
     sig = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",
            "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "K_OUT": "i32", "stride_dm": "i32", "stride_sm": "i32",
-           "stride_om": "i32", "BLOCK_K": "constexpr", "HAS_WG": "constexpr", "MMA_ORDER": "constexpr",
-           "PDL": "constexpr"}
-    consts = {"BLOCK_K": 1024, "HAS_WG": True, "MMA_ORDER": cc == 90, "PDL": cc >= 90}
+           "stride_om": "i32", "G": "i32", "BLOCK_K": "constexpr", "HAS_WG": "constexpr", "BLOCK_G": "constexpr",
+           "MMA_ORDER": "constexpr", "PDL": "constexpr"}
+    consts = {"BLOCK_K": 1024, "HAS_WG": True, "BLOCK_G": 256, "MMA_ORDER": cc == 90, "PDL": cc >= 90}
     deq = triton.compile(ASTSource(nvfp4_dequantize_kernel, sig, consts, {(i,): div16 for i in (0, 1, 4, 9, 11)}),
                          target=target, options={"num_warps": 4})
     ptx = quant.asm["ptx"]

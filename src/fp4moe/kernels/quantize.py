@@ -639,11 +639,12 @@ def nvfp4_dequantize_kernel(
     data_ptr,    # [M, K // 2] uint8 codes (rows stride_dm apart): element 2j in the low nibble of byte j
     scales_ptr,  # [M, K // 16] uint8 E4M3 bits of the block scales (rows stride_sm apart)
     xg_ptr,      # [] fp32: the activations' global scale
-    wg_ptr,      # [] fp32: the weight's global scale (HAS_WG), else unused
+    wg_ptr,      # [G] fp32: the weight's global scales (HAS_WG; one, or one per expert), else unused
     out_ptr,     # [M, K_OUT] bf16 (rows stride_om apart): code value * block scale, without the global scales
-    g_out_ptr,   # [] fp32: receives xg * wg (or xg)
-    M, K, K_OUT, stride_dm, stride_sm, stride_om,
-    BLOCK_K: tl.constexpr, HAS_WG: tl.constexpr, MMA_ORDER: tl.constexpr, PDL: tl.constexpr,
+    g_out_ptr,   # [G] fp32: receives xg * wg (or [1]: xg)
+    M, K, K_OUT, stride_dm, stride_sm, stride_om, G,
+    BLOCK_K: tl.constexpr, HAS_WG: tl.constexpr, BLOCK_G: tl.constexpr, MMA_ORDER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """NVFP4 activations back to bf16 for the W4A4 path on GPUs without FP4 MMA: each element
     becomes ``e2m1(code) * e4m3(scale)``, which has at most 5 significant bits and lies in
@@ -674,6 +675,8 @@ def nvfp4_dequantize_kernel(
     tl.store(out_ptr + row * stride_om + cols, v, mask=(cols < K_OUT) & (pid_m < M))
     if (pid_m == 0) & (pid_k == 0):
         g = tl.load(xg_ptr)
-        if HAS_WG:
-            g = g * tl.load(wg_ptr)
-        tl.store(g_out_ptr, g)
+        if HAS_WG:  # BLOCK_G >= G
+            offs = tl.arange(0, BLOCK_G)
+            tl.store(g_out_ptr + offs, g * tl.load(wg_ptr + offs, mask=offs < G, other=0.0), mask=offs < G)
+        else:
+            tl.store(g_out_ptr, g)

@@ -615,20 +615,23 @@ class _W4A4Chain:
         self.w2 = w2
 
     @staticmethod
-    def _scaled(w: FP4Tensor, g: torch.Tensor) -> FP4Tensor:
-        return replace(w, global_scale=w.global_scale * g)  # [E] or [E, N] per-row globals, times [1]
+    def _dequantize(xq: FP4Tensor, w: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
+        """x_hat and ``w`` with its globals times xq's: per-expert globals in the dequantize kernel,
+        per-row ones ([E, N], too many for its first program) by torch."""
+        from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations
+
+        wg = w.global_scale
+        if wg.numel() <= MAX_WEIGHT_GLOBALS and wg.is_contiguous():
+            x_hat, g = dequantize_activations(xq, wg, k_stored=k_stored)
+            return x_hat, replace(w, global_scale=g)
+        x_hat, g = dequantize_activations(xq, k_stored=k_stored)
+        return x_hat, replace(w, global_scale=wg * g)
 
     def activations(self, x: torch.Tensor, w13: FP4Tensor, input_global_scale):
-        from .quantize import dequantize_activations
-
-        x_hat, g = dequantize_activations(_quantize_rows(x, input_global_scale))
-        return x_hat, self._scaled(w13, g)
+        return self._dequantize(_quantize_rows(x, input_global_scale), w13)
 
     def hidden(self, h: torch.Tensor, k_stored: int | None = None):
-        from .quantize import dequantize_activations
-
-        h_hat, g = dequantize_activations(_quantize_rows(h, None), k_stored=k_stored)
-        return h_hat, self._scaled(self.w2, g)
+        return self._dequantize(_quantize_rows(h, None), self.w2, k_stored)
 
 
 def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias, w2_bias,

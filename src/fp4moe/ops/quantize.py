@@ -196,6 +196,8 @@ def quantize_activations(
 
 #: the dequantize kernel's tile: 1,024 columns of one row (4 warps, 8 elements per thread)
 _DEQUANT_BLOCK_K = 1024
+#: the most weight global scales the dequantize kernel's first program multiplies (per-expert globals)
+MAX_WEIGHT_GLOBALS = 1024
 
 
 def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | None = None, *,
@@ -204,8 +206,9 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
     W4A4 path of GPUs without FP4 MMA (one Triton kernel, ``nvfp4_dequantize_kernel``).
 
     Returns ``(x_hat, g)``: x_hat [M, K] bf16 holds ``e2m1(code) * e4m3(block scale)``, exact in
-    bf16, *without* the global scale; ``g`` [1] fp32 is ``xq.global_scale * weight_global_scale``
-    (or the former alone), for the GEMM to apply once to its fp32 sums. ``dequantize(xq)`` equals
+    bf16, *without* the global scale; ``g`` fp32 is ``xq.global_scale * weight_global_scale``
+    (shaped as the weight's globals: one, or one per expert, up to ``MAX_WEIGHT_GLOBALS``), or [1]
+    ``xq.global_scale`` without it, for the GEMM to apply once to its fp32 sums. ``dequantize(xq)`` equals
     ``x_hat.float() * xq.global_scale`` up to the rounding of that last product.
 
     ``k_stored`` (a multiple of 64, >= K): x_hat is [M, k_stored] in the packed weights' MMA K
@@ -222,17 +225,20 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
         raise ValueError(f"k_stored: expected a multiple of 64 >= K = {K}, got {k_stored}")
     k_out = K if k_stored is None else k_stored
     out = torch.empty((M, k_out), dtype=torch.bfloat16, device=xq.device)
-    g = torch.empty((1,), dtype=torch.float32, device=xq.device)
     data, scales = xq.data, xq.scales.view(torch.uint8)
     if data.stride(-1) != 1 or scales.stride(-1) != 1:
         raise ValueError("xq: packed codes and scales must be contiguous along K")
     wg = weight_global_scale
-    if wg is not None and (wg.numel() != 1 or wg.dtype != torch.float32):
-        raise ValueError(f"weight_global_scale: expected one fp32 value, got {wg.dtype} of shape {tuple(wg.shape)}")
+    if wg is not None and not (1 <= wg.numel() <= MAX_WEIGHT_GLOBALS and wg.dtype == torch.float32
+                               and wg.is_contiguous()):
+        raise ValueError(f"weight_global_scale: expected 1..{MAX_WEIGHT_GLOBALS} contiguous fp32 values, got "
+                         f"{wg.dtype} of shape {tuple(wg.shape)}")
+    g = torch.empty((1,), dtype=torch.float32, device=xq.device) if wg is None else torch.empty_like(wg)
     grid = (max(1, M), max(1, triton.cdiv(k_out, _DEQUANT_BLOCK_K)))
     with torch.cuda.device(xq.device) if xq.data.is_cuda else contextlib.nullcontext():
         nvfp4_dequantize_kernel[grid](
             data, scales, xq.global_scale, wg if wg is not None else xq.global_scale, out, g, M, K, k_out,
-            data.stride(0), scales.stride(0), out.stride(0), BLOCK_K=_DEQUANT_BLOCK_K,
-            HAS_WG=wg is not None, MMA_ORDER=k_stored is not None, num_warps=4, **pdl_kwargs(xq.device))
+            data.stride(0), scales.stride(0), out.stride(0), g.numel(), BLOCK_K=_DEQUANT_BLOCK_K,
+            HAS_WG=wg is not None, BLOCK_G=triton.next_power_of_2(g.numel()), MMA_ORDER=k_stored is not None,
+            num_warps=4, **pdl_kwargs(xq.device))
     return out, g
