@@ -175,36 +175,44 @@ def test_gpu_model_sizes(case, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,k,H,I", [(1, 64, 8, 1024, 512), (7, 16, 4, 512, 256), (128, 16, 4, 512, 256)],
-                         ids=["decode_one_token", "decode", "wgmma_32_rows_per_expert"])
+@pytest.mark.parametrize("T,E,k,H,I,per_row", [(1, 64, 8, 1024, 512, False), (7, 16, 4, 512, 256, False),
+                                               (7, 16, 4, 512, 256, True), (128, 16, 4, 512, 256, False)],
+                         ids=["decode_one_token", "decode", "decode_per_row_globals", "32_rows_per_expert"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic_scale", "static_scale"])
-def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, dtype, static):
+def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, per_row, dtype, static):
     """Without FP4 MMA (SM80-SM90) the W4A4 layer runs the packed W4A16 kernels on its activations
     quantized to NVFP4 and dequantized to bf16 (ops.moe._W4A4Chain): the reference's numbers within
-    the W4A4 tolerance, one dropped slot, bitwise repeatable, and replayable in a CUDA graph."""
+    the W4A4 tolerance, one dropped slot, per-row globals too many for the dequantize kernel (8,192),
+    bitwise repeatable, and replayed in a CUDA graph on new inputs."""
     from fp4moe.ops.linear import device_arch
-    from fp4moe.ops.moe import random_moe_problem
+    from fp4moe.ops.moe import packed_moe_kernel, random_moe_problem
 
-    if device_arch(torch.device("cuda")).fp4_mma != "none":
+    arch = device_arch(torch.device("cuda"))
+    if arch.fp4_mma != "none":
         pytest.skip("native FP4 MMA: W4A4 runs on the Triton kernel's dot_scaled path")
-    p = random_moe_problem(T, E, k, H, I, "nvfp4", device="cuda", dtype=dtype, seed=T, dropped=(0, k - 1))
+    p = random_moe_problem(T, E, k, H, I, "nvfp4", device="cuda", dtype=dtype, seed=T, per_row=per_row,
+                           dropped=(0, k - 1))
     gs = torch.tensor([0.05], device="cuda") if static else None
     run = lambda: fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, mode="w4a4",  # noqa: E731
                                   input_global_scale=gs)
+    ref = lambda: fp4_moe_reference(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, mode="w4a4",  # noqa: E731
+                                    input_global_scale=gs)
     y = run()
-    kernel = "fp4_moe_wgmma" if T * k / E > 8 else "fp4_moe_mma"
+    # the runtime's kernel for this shape on this GPU (off SM90, 32 rows per expert run the Triton kernel)
+    kernel = packed_moe_kernel(arch, T * k / E, 2 * I, H, False)
     keys = [key.kernel for key in guard._checked]
-    assert any(key.startswith(f"{kernel}[w4a4,") for key in keys), keys
-    ref = fp4_moe_reference(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, mode="w4a4", input_global_scale=gs)
+    want = f"fp4_moe_{kernel}[w4a4," if kernel else "fp4_moe[nvfp4,w4a4,"
+    assert any(key.startswith(want) for key in keys), (want, keys)
     assert y.dtype == dtype
-    assert_close(y, ref, "w4a4")
+    assert_close(y, ref(), "w4a4")
     assert torch.equal(run(), y)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
+    p.x.mul_(-0.5)  # the captured quantize, dequantize and GEMM chain reads the new values
     graph.replay()
-    assert torch.equal(out, y)
+    assert_close(out, ref(), "w4a4")
 
 
 @pytest.mark.gpu
@@ -220,6 +228,30 @@ def test_gpu_cuda_graph_and_compile():
     assert_close(out, ref)
     f = torch.compile(lambda a: moe_experts(a, w13, w2, ids, wts), fullgraph=True)
     assert_close(f(x), ref)
+
+
+@pytest.mark.parametrize("E,N,globals_", [(4, 64, "per_expert"), (4, 64, "one"), (4, 64, "per_row"),
+                                           (16, 128, "per_row")], ids=["per_expert", "one", "per_row_kernel",
+                                                                       "per_row_torch"])
+def test_w4a4_chain_joins_global_scales(E, N, globals_, device):
+    """The emulated W4A4 chain (ops.moe._W4A4Chain): x_hat is dequantize(xq) without its global, and
+    the experts' globals come back multiplied by it in the shapes the epilogues read without a
+    copy, [E, 1] or [E, N], from the dequantize kernel (up to 1,024) or torch (2,048 here)."""
+    from dataclasses import replace
+
+    from fp4moe.ops.moe import _W4A4Chain, _weight_globals, random_moe_problem
+    from fp4moe.ops.quantize import quantize_activations
+
+    p = random_moe_problem(3, E, 2, 64, N // 2, "nvfp4", device=device, per_row=globals_ == "per_row")
+    w = p.w13 if globals_ != "one" else replace(p.w13, global_scale=p.w13.global_scale[0, 0].clone())
+    xq = quantize_activations(p.x)
+    x_hat, w_g = _W4A4Chain._dequantize(xq, w)
+    gx = xq.global_scale.float()
+    assert torch.equal((x_hat.float() * gx).cpu(), fp4moe.dequantize(xq.to("cpu"), torch.float32))
+    want = _weight_globals(w)[0] * gx
+    assert w_g.global_scale.shape == ((E, N) if globals_ == "per_row" else (E, 1))
+    assert torch.equal(_weight_globals(w_g)[0].cpu(), want.cpu())
+    assert _weight_globals(w_g)[0].data_ptr() == w_g.global_scale.data_ptr()  # read in place
 
 
 def test_cross_compile_default_configs():

@@ -647,8 +647,8 @@ def nvfp4_dequantize_kernel(
     PDL: tl.constexpr,
 ):
     """NVFP4 activations back to bf16 for the W4A4 path on GPUs without FP4 MMA: each element
-    becomes ``e2m1(code) * e4m3(scale)``, which has at most 5 significant bits and lies in
-    [2**-10, 2688], so bf16 holds it exactly; the global scales are left out and their product
+    becomes ``e2m1(code) * e4m3(scale)``, which has at most 6 significant bits (2 times 4) and
+    lies in [2**-10, 2688], so bf16 (8 bits) holds it exactly; the global scales are left out and their product
     goes to ``g_out_ptr`` for the GEMM's epilogue. The GEMM on these values with fp32
     accumulation is then the product of the two dequantized operands that the native FP4 MMA
     computes, with the two global scales applied once at the end.

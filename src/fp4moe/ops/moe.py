@@ -616,16 +616,18 @@ class _W4A4Chain:
 
     @staticmethod
     def _dequantize(xq: FP4Tensor, w: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
-        """x_hat and ``w`` with its globals times xq's: per-expert globals in the dequantize kernel,
-        per-row ones ([E, N], too many for its first program) by torch."""
+        """x_hat and ``w`` with its globals times xq's: in the dequantize kernel's first program, or
+        by torch where there are too many for it (per-row globals [E, N] of real layers)."""
         from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations
 
-        wg = w.global_scale
-        if wg.numel() <= MAX_WEIGHT_GLOBALS and wg.is_contiguous():
-            x_hat, g = dequantize_activations(xq, wg, k_stored=k_stored)
-            return x_hat, replace(w, global_scale=g)
-        x_hat, g = dequantize_activations(xq, k_stored=k_stored)
-        return x_hat, replace(w, global_scale=wg * g)
+        wv, mode = _weight_globals(w)  # contiguous [E] or [E, N], kept with w's globals: no copy per call
+        if wv.numel() <= MAX_WEIGHT_GLOBALS:
+            x_hat, g = dequantize_activations(xq, wv, k_stored=k_stored)
+        else:
+            x_hat, gx = dequantize_activations(xq, k_stored=k_stored)
+            g = wv * gx
+        # [E, 1] (per expert) or [E, N] (per row): the shapes _weight_globals reads without a copy
+        return x_hat, replace(w, global_scale=g.reshape(-1, 1) if mode == 1 else g)
 
     def activations(self, x: torch.Tensor, w13: FP4Tensor, input_global_scale):
         return self._dequantize(_quantize_rows(x, input_global_scale), w13)

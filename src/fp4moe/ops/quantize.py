@@ -233,6 +233,8 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
                                and wg.is_contiguous()):
         raise ValueError(f"weight_global_scale: expected 1..{MAX_WEIGHT_GLOBALS} contiguous fp32 values, got "
                          f"{wg.dtype} of shape {tuple(wg.shape)}")
+    if wg is not None and wg.device != xq.device:
+        raise ValueError(f"weight_global_scale: expected device {xq.device}, got {wg.device}")
     g = torch.empty((1,), dtype=torch.float32, device=xq.device) if wg is None else torch.empty_like(wg)
     grid = (max(1, M), max(1, triton.cdiv(k_out, _DEQUANT_BLOCK_K)))
     with torch.cuda.device(xq.device) if xq.data.is_cuda else contextlib.nullcontext():
