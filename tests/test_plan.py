@@ -20,7 +20,8 @@ from fp4moe.ops.linear import LinearConfig, choose_config, config_smem_bytes, fi
 from fp4moe.plan.cache import CompileCache, default_cache_dir, kernel_source_hash
 from fp4moe.plan.crosscompile import CompileRequest, cross_compile
 from fp4moe.plan.planner import LOOP_FREE_SPILL_LIMIT_BYTES, SPILL_LIMIT_BYTES, PlanError, evaluate, legal_config, plan_many, plan_op
-from fp4moe.plan.space import KERNELS, LinearProblem, MoEGemmProblem, QuantizeProblem, get_kernel, register
+from fp4moe.plan.space import (KERNELS, DequantizeProblem, LinearProblem, MoEGemmProblem, QuantizeProblem, get_kernel,
+                               register)
 
 SM120_FP4_MMA = "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale"
 
@@ -65,6 +66,8 @@ def _default_problems(arch):
     for M in TOKENS:
         for K in sorted({s.K for s in GLM5_SHAPES}):
             items.append(("nvfp4_quantize", QuantizeProblem(M, K)))
+            # emulated W4A4's dequantization (the runtime runs it off FP4 MMA; it compiles anywhere)
+            items.append(("nvfp4_dequantize", DequantizeProblem(M, K, mma_order=M == 4096)))
     for T in (16, 4096):  # the MoE layer's grouped GEMMs at GLM-5 TP1 (tests/test_plan_moe.py has more)
         for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
             for mode in ("w4a16", "w4a4"):
@@ -376,7 +379,7 @@ def test_time_model_tracks_the_h200_measurements():
 
 def test_registry_and_candidates():
     assert set(KERNELS) >= {"fp4_linear", "nvfp4_quantize"}
-    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, fp4_moe_gemm, fp4_moe_mma, fp4_moe_wgmma"):
+    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, nvfp4_dequantize, fp4_moe_gemm, fp4_moe_mma, fp4_moe_wgmma"):
         get_kernel("nope")
     with pytest.raises(ValueError, match="already registered"):
         register(get_kernel("fp4_linear"))
@@ -421,6 +424,44 @@ def test_quantize_request_follows_the_kernel_source():
     assert list(req.signature) == [n for n, c in params if not c]
     assert list(req.constexprs) == [n for n, c in params if c]
     assert req.constexprs["EMULATE_FMA"] is False
+
+
+@pytest.mark.parametrize("cc", [80, 90, 120])
+def test_dequantize_plans_legal_on_every_generation(cc, cache):
+    """Emulated W4A4's dequantize kernel (``nvfp4_dequantize``): the runtime's configuration
+    cross-compiles with no shared memory (the model's 0 B), no spills, no MMA, and its request
+    follows the kernel's source; PDL where the target has it."""
+    from fp4moe.ops.quantize import DequantizeConfig
+    from fp4moe.plan.space import _jit_parameters
+
+    problem = DequantizeProblem(16, 6144, mma_order=cc == 90)
+    r = evaluate("nvfp4_dequantize", problem, f"sm{cc}", cache=cache)
+    assert r.config == DequantizeConfig() and r.legal, r.reasons
+    assert r.compiled.shared == 0 and r.spills == 0 and r.compiled.mma == ()
+    spec = get_kernel("nvfp4_dequantize")
+    req = spec.compile_request(r.config, problem, get_arch(cc))
+    params = _jit_parameters("fp4moe.kernels.quantize", "nvfp4_dequantize_kernel")
+    assert list(req.signature) == [n for n, c in params if not c]
+    assert req.constexprs["PDL"] == (cc >= 90) and req.constexprs["MMA_ORDER"] == (cc == 90)
+
+
+def test_w4a4_plan_lists_the_activation_kernels():
+    """``fp4moe plan --mode w4a4``: besides x's quantizer, the MoE's h is re-quantized; without FP4
+    MMA (SM90) x and h are dequantized for the packed kernels too (h in MMA K order where GEMM 2
+    runs on the wgmma kernel); with it (SM120) nothing is dequantized."""
+    from fp4moe.models import get_model
+    from fp4moe.plan.cli import plan_model
+
+    glm = get_model("glm-5")
+    rows = plan_model(glm, arch="sm90", tokens=(1, 4096), mode="w4a4", compile=False)
+    chain = {(t, name): r for t, name, op, r in rows if op is None}
+    assert set(chain) == {(t, n) for t in (1, 4096) for n in ("quantize x (NVFP4)", "dequantize x (bf16)",
+                                                               "quantize h (NVFP4)", "dequantize h (bf16)")}
+    assert chain[(1, "quantize h (NVFP4)")].problem.M == 8 and chain[(1, "quantize h (NVFP4)")].problem.K == 2048
+    assert not chain[(1, "dequantize h (bf16)")].problem.mma_order
+    assert chain[(4096, "dequantize h (bf16)")].problem.mma_order  # GEMM 2 on the wgmma kernel
+    rows = plan_model(glm, arch="sm120", tokens=(1,), mode="w4a4", compile=False)
+    assert {name for _, name, op, _ in rows if op is None} == {"quantize x (NVFP4)", "quantize h (NVFP4)"}
 
 
 # ------------------------------------------------------------------------------ cache and compiler

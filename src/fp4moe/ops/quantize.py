@@ -27,7 +27,7 @@ from ..quantize import FP4Tensor, quantize
 from ._runtime import pdl_kwargs
 from .linear import device_arch
 
-__all__ = ["QuantizeConfig", "dequantize_activations", "quantize_activations", "quantize_activations_reference"]
+__all__ = ["DequantizeConfig", "QuantizeConfig", "dequantize_activations", "quantize_activations", "quantize_activations_reference"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
@@ -194,14 +194,28 @@ def quantize_activations(
     )
 
 
-#: the dequantize kernel's tile: 1,024 columns of one row (4 warps, 8 elements per thread)
-_DEQUANT_BLOCK_K = 1024
+@dataclass(frozen=True)
+class DequantizeConfig:
+    """``nvfp4_dequantize_kernel``'s tile: ``block_k`` columns of one row by ``num_warps`` warps.
+    The one the runtime uses (``DequantizeConfig()``): 1,024 columns, 4 warps, 8 elements per
+    thread (one 16-byte bf16 store each)."""
+
+    block_k: int = 1024
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if not (_is_pow2(self.block_k) and self.block_k >= 32 * self.num_warps):
+            raise ValueError(f"block_k: expected a power of two >= 32 * num_warps, got {self.block_k}")
+        if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
+            raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
+
 #: the most weight global scales the dequantize kernel's first program multiplies (per-expert globals)
 MAX_WEIGHT_GLOBALS = 1024
 
 
 def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | None = None, *,
-                           k_stored: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           k_stored: int | None = None,
+                           config: DequantizeConfig = DequantizeConfig()) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 activations ``xq`` [M, K] (``quantize_activations``' result) back to bf16 for the
     W4A4 path of GPUs without FP4 MMA (one Triton kernel, ``nvfp4_dequantize_kernel``).
 
@@ -236,11 +250,11 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
     if wg is not None and wg.device != xq.device:
         raise ValueError(f"weight_global_scale: expected device {xq.device}, got {wg.device}")
     g = torch.empty((1,), dtype=torch.float32, device=xq.device) if wg is None else torch.empty_like(wg)
-    grid = (max(1, M), max(1, triton.cdiv(k_out, _DEQUANT_BLOCK_K)))
+    grid = (max(1, M), max(1, triton.cdiv(k_out, config.block_k)))
     with torch.cuda.device(xq.device) if xq.data.is_cuda else contextlib.nullcontext():
         nvfp4_dequantize_kernel[grid](
             data, scales, xq.global_scale, wg if wg is not None else xq.global_scale, out, g, M, K, k_out,
-            data.stride(0), scales.stride(0), out.stride(0), g.numel(), BLOCK_K=_DEQUANT_BLOCK_K,
+            data.stride(0), scales.stride(0), out.stride(0), g.numel(), BLOCK_K=config.block_k,
             HAS_WG=wg is not None, BLOCK_G=triton.next_power_of_2(g.numel()), MMA_ORDER=k_stored is not None,
-            num_warps=4, **pdl_kwargs(xq.device))
+            num_warps=config.num_warps, **pdl_kwargs(xq.device))
     return out, g

@@ -90,8 +90,35 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
         if mode == "w4a4":  # the activation quantizer runs once per token before the experts
             entries.append((t, "quantize x (NVFP4)", None))
             items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))
+            items_h = _w4a4_chain(model, t, tp, ep, target)
+            entries += [(t, name, None) for name, _ in items_h]
+            items += [item for _, item in items_h]
     results = plan_many(items, arch, gpu, compile=compile, jobs=jobs)
     return [(t, name, op, r) for (t, name, op), r in zip(entries, results)]
+
+
+def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
+    """W4A4's activation kernels besides the quantizer of x: [(name, (kernel, problem))]. Without FP4
+    MMA (``ops.linear.target_path``) x is dequantized to bf16 for the packed kernels; an MoE model
+    also re-quantizes the SwiGLU output h (its T x top_k rows, dynamic global scale) before GEMM 2,
+    and without FP4 MMA dequantizes it too (in MMA K order when GEMM 2 runs on the wgmma kernel)."""
+    from ..arch import get_arch
+    from ..ops.linear import target_path
+    from .space import DequantizeProblem, QuantizeProblem
+
+    emulated = target_path("w4a4", get_arch(arch) if arch is not None else None) == "w4a4_emulated"
+    out = []
+    if emulated:
+        out.append(("dequantize x (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=tokens, K=model.hidden))))
+    if getattr(model, "n_experts", 0):
+        pairs = max(1, -(-tokens // ep)) * model.routing.top_k
+        inter = model.expert_intermediate // tp
+        out.append(("quantize h (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=pairs, K=inter))))
+        if emulated:
+            wgmma = _moe_kernel(model, moe_problem(model, tokens, 2, tp=tp, ep=ep, arch=arch), arch) == "fp4_moe_wgmma"
+            out.append(("dequantize h (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=pairs, K=inter,
+                                                                                     mma_order=wgmma))))
+    return out
 
 
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
@@ -223,7 +250,8 @@ def plan_command(
             p = r.problem
             shape = f"{p.E}× {p.weight_rows}×{p.K} ({p.pairs} rows)"
         else:
-            shape = f"{op.N}×{op.K} (M={op.M})" if op is not None else f"{spec.hidden} (M={t})"
+            # the activation kernels (quantize, dequantize): K of their own problem, its rows as M
+            shape = f"{op.N}×{op.K} (M={op.M})" if op is not None else f"{r.problem.K} (M={r.problem.M})"
         if row.get("error"):
             table.add_row(str(t), name, shape, f"[red]{row['error']}[/red]", "", "", "", "", "")
             continue

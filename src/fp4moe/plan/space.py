@@ -15,6 +15,7 @@ A ``KernelSpec`` ties together, for one family of kernels:
 Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``fp4_linear_mma`` (W4A16
 decode on weights in MMA operand order, ``kernels.linear_mma``, Gluon), ``fp4_linear_wgmma`` (the
 SM90 prefill kernel on weights in MMA operand order, ``kernels.gemm_wgmma``, Gluon), ``nvfp4_quantize``,
+``nvfp4_dequantize`` (emulated W4A4's activations back to bf16),
 ``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``),
 ``fp4_moe_mma`` and ``fp4_moe_wgmma`` (the same GEMMs on the mma.sync kernel at decode and on the
 wgmma kernel at SM90 prefill).
@@ -51,6 +52,8 @@ __all__ = [
     "MoEGemmSpec",
     "QuantizeProblem",
     "QuantizeSpec",
+    "DequantizeProblem",
+    "DequantizeSpec",
     "TimeEstimate",
     "default_gpu",
     "get_kernel",
@@ -783,6 +786,106 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
 
 
 # ------------------------------------------------------------------------------------------
+# nvfp4_dequantize
+
+
+@dataclass(frozen=True)
+class DequantizeProblem:
+    """NVFP4 activations [M, K] back to bf16 for emulated W4A4 (``ops.quantize.dequantize_activations``):
+    ``mma_order`` writes them padded to 64 in the packed weights' K order, for the wgmma kernel."""
+
+    M: int
+    K: int
+    mma_order: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("M", "K"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"DequantizeProblem.{name}: expected a positive int, got {v!r}")
+        if self.K % 16:
+            raise ValueError(f"DequantizeProblem.K: expected a multiple of 16 (the NVFP4 block), got {self.K}")
+
+    @property
+    def k_out(self) -> int:
+        return _cdiv(self.K, 64) * 64 if self.mma_order else self.K
+
+    def __str__(self) -> str:
+        return f"M={self.M} K={self.K}" + (" MMA order" if self.mma_order else "")
+
+
+_DEQUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_dequantize_kernel")
+
+
+class DequantizeSpec(KernelSpec[DequantizeProblem, Any]):
+    """``kernels.quantize.nvfp4_dequantize_kernel``: one row per program, elementwise, no shared memory."""
+
+    name = "nvfp4_dequantize"
+    problem_type = DequantizeProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.quantize import DequantizeConfig
+
+        return DequantizeConfig
+
+    def candidates(self, problem: DequantizeProblem, arch: Arch) -> list:
+        """256..2,048 columns per program, 4..32 elements per thread."""
+        from ..ops.quantize import DequantizeConfig
+
+        self.check_problem(problem)
+        return [DequantizeConfig(block_k=bk, num_warps=w) for bk in (256, 512, 1024, 2048) for w in (1, 2, 4, 8)
+                if 4 <= bk // (32 * w) <= 32]
+
+    def heuristic(self, problem: DequantizeProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.quantize import DequantizeConfig
+
+        self.check_problem(problem)
+        return DequantizeConfig()  # what dequantize_activations runs
+
+    def smem_model(self, config, problem: DequantizeProblem, arch: Arch) -> SmemBreakdown:
+        self.check_config(config)
+        return SmemBreakdown(())  # one row per program: every tensor keeps one layout
+
+    def compile_request(self, config, problem: DequantizeProblem, arch: Arch) -> CompileRequest:
+        """The request, built from the kernel's parameter list as it stands in its source file
+        (weight globals: one per expert of up to 256 experts, the MoE's case)."""
+        module, function = _DEQUANTIZE_KERNEL
+        types = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",
+                 "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "K_OUT": "i32", "stride_dm": "i32",
+                 "stride_sm": "i32", "stride_om": "i32", "G": "i32"}
+        values = {"BLOCK_K": config.block_k, "HAS_WG": True, "BLOCK_G": 256, "MMA_ORDER": problem.mma_order,
+                  "PDL": arch.has_pdl}
+        signature, constexprs = {}, {}
+        for name, is_constexpr in _jit_parameters(module, function):
+            table = values if is_constexpr else types
+            if name not in table:
+                raise ValueError(f"nvfp4_dequantize: {function} has a parameter {name!r} that "
+                                 f"fp4moe.plan.space does not know how to {'set' if is_constexpr else 'type'}")
+            (constexprs if is_constexpr else signature)[name] = table[name]
+        divisible = tuple(a for a in ("data_ptr", "scales_ptr", "out_ptr", "K") if a in signature)
+        return CompileRequest(kernel=f"{module}:{function}", signature=signature, constexprs=constexprs,
+                              cc=arch.sm_version, num_warps=config.num_warps, num_stages=1,
+                              divisible_by_16=divisible)
+
+    def expected_mma(self, problem: DequantizeProblem, arch: Arch) -> None:
+        return None  # elementwise: no tensor cores
+
+    def model_time(self, config, problem: DequantizeProblem, gpu: GPU, *,
+                   registers: int | None = None) -> TimeEstimate:
+        M, K, k_out = problem.M, problem.K, problem.k_out
+        programs = M * _cdiv(k_out, config.block_k)
+        nbytes = M * K // 2 + M * K // 16 + M * k_out * 2  # codes and scales in, bf16 out
+        ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=0)
+        flops = 6 * M * k_out  # decode, scale, convert: a few CUDA-core operations per element
+        peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate, as for the quantizer
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas)
+        return TimeEstimate(us=us, bound_us=nbytes / _bandwidth(gpu), limiter=limiter, programs=programs,
+                            waves=waves, ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak)
+
+
+# ------------------------------------------------------------------------------------------
 # fp4_moe_gemm
 
 
@@ -1202,6 +1305,7 @@ _LINEAR = register(LinearSpec())
 register(MmaLinearSpec())
 register(WgmmaLinearSpec())
 register(QuantizeSpec())
+register(DequantizeSpec())
 register(MoEGemmSpec())
 register(MmaMoESpec())
 register(WgmmaMoESpec())
