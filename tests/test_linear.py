@@ -196,20 +196,26 @@ def test_gpu_real_sizes(case, fmt, mode):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic_scale", "static_scale"])
 def test_gpu_w4a4_on_packed_kernels(M, dtype, static):
-    """Without FP4 MMA (SM80-SM90) W4A4 runs the packed W4A16 kernels on x quantized to NVFP4 and
-    dequantized to bf16 (ops.linear._launch_packed): the reference's numbers for bf16 and fp16 x,
-    with a static or a per-call global scale, under the guard's own key for the path."""
-    from fp4moe.ops.linear import device_arch
+    """W4A4 on the kernel the runtime picks for this GPU and M, under the guard's key for it: without
+    FP4 MMA (SM80-SM90) the packed W4A16 kernels on x quantized to NVFP4 and dequantized to bf16
+    (ops.linear._launch_packed) where ``packed_config`` has one, else the Triton kernel; with FP4 MMA
+    the Triton kernel's native path. The reference's numbers for bf16 and fp16 x, with a static or
+    a per-call global scale, and replayed in a CUDA graph on new inputs."""
+    from fp4moe.ops.linear import device_arch, packed_config, target_path
+    from fp4moe.ops.mma_layout import MMAConfig
 
-    if device_arch(torch.device("cuda")).fp4_mma != "none":
-        pytest.skip("native FP4 MMA: W4A4 runs on the Triton kernel's dot_scaled path")
+    arch = device_arch(torch.device("cuda"))
+    path = target_path("w4a4", arch)
+    cfg = packed_config(path, arch, M, 4096, 6144)
+    want = (f"fp4_linear[{path}," if cfg is None else
+            "fp4_linear_mma[w4a4," if isinstance(cfg, MMAConfig) else "fp4_linear_wgmma[w4a4,")
     x, w, bias = _problem(Case(M, 4096, 6144, ""), "nvfp4", "cuda", dtype=dtype)
     gs = torch.tensor([0.02], device="cuda") if static else None
     out = fp4_linear(x, w, bias, mode="w4a4", input_global_scale=gs)
     assert out.dtype == dtype
     assert_close(out, fp4_linear_reference(x, w, bias, mode="w4a4", input_global_scale=gs))
     keys = [k.kernel for k in guard._checked]
-    assert any(k.startswith(("fp4_linear_mma[w4a4", "fp4_linear_wgmma[w4a4")) for k in keys), keys
+    assert any(k.startswith(want) for k in keys), (want, keys)
     # captured in a CUDA graph after one eager call: the quantize, dequantize and GEMM chain replays
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

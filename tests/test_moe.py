@@ -181,16 +181,16 @@ def test_gpu_model_sizes(case, mode):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic_scale", "static_scale"])
 def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, per_row, dtype, static):
-    """Without FP4 MMA (SM80-SM90) the W4A4 layer runs the packed W4A16 kernels on its activations
-    quantized to NVFP4 and dequantized to bf16 (ops.moe._W4A4Chain): the reference's numbers within
-    the W4A4 tolerance, one dropped slot, per-row globals too many for the dequantize kernel (8,192),
-    bitwise repeatable, and replayed in a CUDA graph on new inputs."""
-    from fp4moe.ops.linear import device_arch
+    """The W4A4 layer on the kernel the runtime picks for this GPU: without FP4 MMA (SM80-SM90) the
+    packed W4A16 kernels on its activations quantized to NVFP4 and dequantized to bf16
+    (ops.moe._w4a4_activations) where ``packed_moe_kernel`` has one, else (and with FP4 MMA) the Triton
+    kernel. The reference's numbers within the W4A4 tolerance, one dropped slot, per-row globals too
+    many for the dequantize kernel (8,192), bitwise repeatable, and replayed in a CUDA graph on new
+    inputs."""
+    from fp4moe.ops.linear import device_arch, target_path
     from fp4moe.ops.moe import packed_moe_kernel, random_moe_problem
 
     arch = device_arch(torch.device("cuda"))
-    if arch.fp4_mma != "none":
-        pytest.skip("native FP4 MMA: W4A4 runs on the Triton kernel's dot_scaled path")
     p = random_moe_problem(T, E, k, H, I, "nvfp4", device="cuda", dtype=dtype, seed=T, per_row=per_row,
                            dropped=(0, k - 1))
     gs = torch.tensor([0.05], device="cuda") if static else None
@@ -200,7 +200,8 @@ def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, per_row, dtype, static):
                                     input_global_scale=gs)
     y = run()
     # the runtime's kernel for this shape on this GPU (off SM90, 32 rows per expert run the Triton kernel)
-    kernel = packed_moe_kernel(arch, T * k / E, 2 * I, H, False)
+    emulated = target_path("w4a4", arch) == "w4a4_emulated"
+    kernel = packed_moe_kernel(arch, T * k / E, 2 * I, H, False) if emulated else None
     keys = [key.kernel for key in guard._checked]
     want = f"fp4_moe_{kernel}[w4a4," if kernel else "fp4_moe[nvfp4,w4a4,"
     assert any(key.startswith(want) for key in keys), (want, keys)
@@ -234,18 +235,18 @@ def test_gpu_cuda_graph_and_compile():
                                            (16, 128, "per_row")], ids=["per_expert", "one", "per_row_kernel",
                                                                        "per_row_torch"])
 def test_w4a4_chain_joins_global_scales(E, N, globals_, device):
-    """The emulated W4A4 chain (ops.moe._W4A4Chain): x_hat is dequantize(xq) without its global, and
+    """The emulated W4A4 chain (ops.moe._w4a4_activations): x_hat is dequantize(xq) without its global, and
     the experts' globals come back multiplied by it in the shapes the epilogues read without a
     copy, [E, 1] or [E, N], from the dequantize kernel (up to 1,024) or torch (2,048 here)."""
     from dataclasses import replace
 
-    from fp4moe.ops.moe import _W4A4Chain, _weight_globals, random_moe_problem
+    from fp4moe.ops.moe import _w4a4_activations, _weight_globals, random_moe_problem
     from fp4moe.ops.quantize import quantize_activations
 
     p = random_moe_problem(3, E, 2, 64, N // 2, "nvfp4", device=device, per_row=globals_ == "per_row")
     w = p.w13 if globals_ != "one" else replace(p.w13, global_scale=p.w13.global_scale[0, 0].clone())
     xq = quantize_activations(p.x)
-    x_hat, w_g = _W4A4Chain._dequantize(xq, w)
+    x_hat, w_g = _w4a4_activations(xq, w)
     gx = xq.global_scale.float()
     assert torch.equal((x_hat.float() * gx).cpu(), fp4moe.dequantize(xq.to("cpu"), torch.float32))
     want = _weight_globals(w)[0] * gx

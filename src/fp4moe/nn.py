@@ -51,9 +51,9 @@ class FP4Linear(nn.Module):
         if self.weight.is_cuda:
             # the packed kernels read the weight in MMA operand order (ops.linear.mma_packed): W4A16, and
             # W4A4 where the GPU has no FP4 MMA; pack it now, outside any CUDA graph capture
-            from .ops.linear import device_arch, mma_packed, target_path
+            from .ops.linear import device_arch, mma_packed, runs_packed
 
-            if target_path(self.mode, device_arch(self.weight.device)) != "w4a4_native":
+            if runs_packed(self.mode, device_arch(self.weight.device)):
                 mma_packed(self.weight_fp4)
         return self
 
@@ -164,11 +164,11 @@ class FP4MoE(nn.Module):
         if self.w13.device.type == "cuda":
             # the packed kernels read the experts in MMA operand order (ops.moe.mma_packed_experts): W4A16,
             # and W4A4 where the GPU has no FP4 MMA; pack them now, outside any CUDA graph capture
-            from .ops.linear import device_arch, target_path
+            from .ops.linear import device_arch, runs_packed
             from .ops.moe import mma_packed_experts
             from .ops.mma_layout import ROWS
 
-            if (target_path(self.mode, device_arch(self.w13.device)) != "w4a4_native"
+            if (runs_packed(self.mode, device_arch(self.w13.device))
                     and self.w13.shape[1] % ROWS == 0 and self.w2.shape[1] % ROWS == 0):
                 mma_packed_experts(self.w13)
                 mma_packed_experts(self.w2)

@@ -161,6 +161,13 @@ def target_path(mode: Mode, arch: Arch | None) -> Path:
     return "w4a4_emulated"
 
 
+def runs_packed(mode: Mode, arch: Arch | None) -> bool:
+    """Whether ``mode`` on ``arch`` runs the kernels on weights in MMA operand order (``ops.mma_layout``,
+    where the shape and dtype allow): W4A16, and W4A4 without FP4 MMA (its activations dequantized
+    for the W4A16 kernels); native W4A4 runs the Triton kernel's FP4 MMA."""
+    return target_path(mode, arch) != "w4a4_native"
+
+
 def choose_path(mode: Mode, arch: Arch | None) -> Path:
     """``target_path``, except that the interpreter (no native FP4 MMA) runs W4A4 emulated."""
     if mode == "w4a4" and interpreting():
@@ -381,17 +388,14 @@ def _launch_packed(x2, packed, bias, out, cfg, path: Path, input_global_scale=No
     from .mma_layout import KCHUNK, MMAConfig, launch_linear_mma, launch_linear_wgmma
     from .quantize import dequantize_activations
 
-    if isinstance(cfg, MMAConfig):
-        if path != "w4a16":
-            x2, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale)
-            packed = replace(packed, global_scale=g)
-        return launch_linear_mma(x2, packed, bias, out, cfg)
-    if path == "w4a16":
-        return launch_linear_wgmma(x2, packed, bias, out, cfg)
-    # the wgmma kernel reads x in MMA K order: the dequantization writes it so (no second pass)
-    x_hat, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale,
-                                      k_stored=packed.words.shape[1] * KCHUNK)
-    return launch_linear_wgmma(x_hat, replace(packed, global_scale=g), bias, out, cfg, x_mma_order=True)
+    wgmma = not isinstance(cfg, MMAConfig)
+    if path != "w4a16":  # for the wgmma kernel x goes straight into its MMA K order (no second pass)
+        x2, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale,
+                                       k_stored=packed.words.shape[1] * KCHUNK if wgmma else None)
+        packed = replace(packed, global_scale=g)
+    if wgmma:
+        return launch_linear_wgmma(x2, packed, bias, out, cfg, x_mma_order=path != "w4a16")
+    return launch_linear_mma(x2, packed, bias, out, cfg)
 
 
 def _probe_mma(device: torch.device, fmt: FP4Format, cfg, path: Path = "w4a16",
@@ -502,7 +506,7 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
 
 
 __all__ = ["LinearConfig", "choose_config", "choose_path", "config_smem_bytes", "fit_shared_memory", "fp4_linear",
-           "fp4_linear_reference", "launch_linear", "target_path"]
+           "fp4_linear_reference", "launch_linear", "runs_packed", "target_path"]
 
 
 def compile_request(config: LinearConfig, path: Path, fmt: str | FP4Format, cc: int,

@@ -6,6 +6,7 @@ Routing (top-k ids and weights) is an input here; ``ops.routing`` computes it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -351,14 +352,14 @@ def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: s
                          interleaved: bool):
     """The configuration of the kernels on weights in MMA operand order (``ops.mma_layout``), or None
     for ``moe_gemm_kernel``: on compiled CUDA, W4A16 with bf16 activations, or emulated W4A4 (no FP4
-    MMA; ``_W4A4Chain``) with bf16 or fp16 activations; the kernel from ``packed_moe_kernel`` (an
+    MMA; ``_w4a4_activations``) with bf16 or fp16 activations; the kernel from ``packed_moe_kernel`` (an
     ``MMAConfig`` for the mma.sync kernel, a ``WgmmaConfig`` for the wgmma kernel with the activation
     fused into GEMM 1)."""
-    from .linear import target_path
+    from .linear import runs_packed
 
-    if not (x.is_cuda and not interpreting() and arch is not None):
+    if not (x.is_cuda and not interpreting() and arch is not None and runs_packed(mode, arch)):
         return None
-    if not ((mode == "w4a16" and x.dtype == torch.bfloat16) or (mode == "w4a4" and target_path(mode, arch) == "w4a4_emulated")):
+    if mode == "w4a16" and x.dtype != torch.bfloat16:
         return None
     kernel = packed_moe_kernel(arch, rows_per_expert, w13.shape[1], w2.shape[1], interleaved)
     if kernel == "mma":
@@ -511,15 +512,14 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
     the combine in one kernel; ``cfg`` (an ``MMAConfig``) for both GEMMs, the plan made for
     ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``) pins GEMM 1's variant. ``requant``
-    (emulated W4A4, ``_W4A4Chain``): h -> (GEMM 2's bf16 input, w2 with its global scales) between
-    the GEMMs; h is then in ``out``'s dtype, zero in the rows of dropped slots."""
+    (emulated W4A4, ``_w4a4_activations``): h -> (GEMM 2's bf16 input, w2 with its global scales) between
+    the GEMMs; h (in ``out``'s dtype, x's) is then zero in the rows of dropped slots."""
     from .mma_layout import launch_grouped_mma, launch_grouped_mma_swiglu
 
     T, H = x.shape
     I = w2.shape[2]
     p13, p2 = packed
-    h = (torch.zeros if requant else torch.empty)((T * k, I), dtype=out.dtype if requant else x.dtype,
-                                                 device=x.device)
+    h = (torch.zeros if requant else torch.empty)((T * k, I), dtype=out.dtype, device=x.device)
     if fused is None:
         fused = decode_fuses_swiglu(cfg, activation, interleaved, I, plan.max_tiles, x.device)
     if fused:
@@ -589,14 +589,13 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
 
 def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
                 shared_out, out, fused=None, mode: str = "w4a16", input_global_scale=None):
-    """The layer on the packed kernels of ``cfg``; emulated W4A4 through ``_W4A4Chain``."""
+    """The layer on the packed kernels of ``cfg`` (emulated W4A4: ``_w4a4_activations``)."""
     from .mma_layout import MMAConfig
 
     requant = None
-    if mode == "w4a4":
-        chain = _W4A4Chain(w2)
-        x, w13 = chain.activations(x, w13, input_global_scale)
-        requant = chain.hidden
+    if mode == "w4a4":  # emulated: each GEMM's activations quantized, then dequantized for the W4A16 kernels
+        x, w13 = _w4a4_activations(_quantize_rows(x, input_global_scale), w13)
+        requant = functools.partial(_w4a4_requantize, w2=w2)
     if isinstance(cfg, MMAConfig):
         return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
                         w2_bias, shared_out, out, fused, requant)
@@ -604,36 +603,28 @@ def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activa
                       shared_out, out, requant)
 
 
-class _W4A4Chain:
-    """Emulated W4A4 (GPUs without FP4 MMA) on the packed W4A16 kernels, as ``ops.linear`` runs it:
-    each GEMM's activations are quantized to NVFP4 (x once per token, h over all its rows with one
-    dynamic global scale, as ``_run`` does) and their codes times block scales dequantized to bf16,
-    exactly (``ops.quantize.dequantize_activations``); the activations' global scale joins the
-    experts' global scales, which the GEMM epilogues apply to the fp32 sums (before the SwiGLU)."""
+def _w4a4_activations(xq: FP4Tensor, w: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
+    """Emulated W4A4 on the packed W4A16 kernels, as ``ops.linear`` runs it: the NVFP4 activations
+    ``xq`` dequantized to bf16 without their global scale (exact, ``dequantize_activations``) and
+    ``w`` with its global scales times that one, which the GEMM epilogues apply to the fp32 sums
+    (before the SwiGLU). The product is formed in the dequantize kernel's first program, or by torch
+    where there are too many globals for it (per-row globals [E, N] of real layers); it comes back
+    as [E, 1] or [E, N], shapes ``_weight_globals`` reads without a copy."""
+    from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations
 
-    def __init__(self, w2: FP4Tensor):
-        self.w2 = w2
+    wv, mode = _weight_globals(w)  # contiguous [E] or [E, N], kept with w's globals: no copy per call
+    if wv.numel() <= MAX_WEIGHT_GLOBALS:
+        x_hat, g = dequantize_activations(xq, wv, k_stored=k_stored)
+    else:
+        x_hat, gx = dequantize_activations(xq, k_stored=k_stored)
+        g = wv * gx
+    return x_hat, replace(w, global_scale=g.reshape(-1, 1) if mode == 1 else g)
 
-    @staticmethod
-    def _dequantize(xq: FP4Tensor, w: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
-        """x_hat and ``w`` with its globals times xq's: in the dequantize kernel's first program, or
-        by torch where there are too many for it (per-row globals [E, N] of real layers)."""
-        from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations
 
-        wv, mode = _weight_globals(w)  # contiguous [E] or [E, N], kept with w's globals: no copy per call
-        if wv.numel() <= MAX_WEIGHT_GLOBALS:
-            x_hat, g = dequantize_activations(xq, wv, k_stored=k_stored)
-        else:
-            x_hat, gx = dequantize_activations(xq, k_stored=k_stored)
-            g = wv * gx
-        # [E, 1] (per expert) or [E, N] (per row): the shapes _weight_globals reads without a copy
-        return x_hat, replace(w, global_scale=g.reshape(-1, 1) if mode == 1 else g)
-
-    def activations(self, x: torch.Tensor, w13: FP4Tensor, input_global_scale):
-        return self._dequantize(_quantize_rows(x, input_global_scale), w13)
-
-    def hidden(self, h: torch.Tensor, k_stored: int | None = None):
-        return self._dequantize(_quantize_rows(h, None), self.w2, k_stored)
+def _w4a4_requantize(h: torch.Tensor, w2: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
+    """Emulated W4A4 between the GEMMs: h re-quantized over all its rows with one dynamic global
+    scale, as ``_run`` does, then ``_w4a4_activations`` for GEMM 2 (``k_stored``: in its MMA K order)."""
+    return _w4a4_activations(_quantize_rows(h, None), w2, k_stored)
 
 
 def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias, w2_bias,

@@ -78,7 +78,7 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                 problem = moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt, mode=mode, arch=target)
                 kernel = _moe_kernel(model, problem, target)
                 if kernel != "fp4_moe_gemm":  # both GEMMs run on one plan: pin the runtime's tile height
-                    # (emulated W4A4 runs them as W4A16 on its dequantized activations, ops.moe._W4A4Chain)
+                    # (emulated W4A4 runs them as W4A16 on its dequantized activations, ops.moe._w4a4_activations)
                     problem = dataclasses.replace(problem, block_m=None, mode="w4a16")
                     problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
                 items.append((kernel, problem))
@@ -103,10 +103,10 @@ def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
     also re-quantizes the SwiGLU output h (its T x top_k rows, dynamic global scale) before GEMM 2,
     and without FP4 MMA dequantizes it too (in MMA K order when GEMM 2 runs on the wgmma kernel)."""
     from ..arch import get_arch
-    from ..ops.linear import target_path
+    from ..ops.linear import runs_packed
     from .space import DequantizeProblem, QuantizeProblem
 
-    emulated = target_path("w4a4", get_arch(arch) if arch is not None else None) == "w4a4_emulated"
+    emulated = runs_packed("w4a4", get_arch(arch) if arch is not None else None)
     out = []
     if emulated:
         out.append(("dequantize x (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=tokens, K=model.hidden))))
@@ -148,10 +148,10 @@ def _moe_kernel(model, problem, arch) -> str:
 
     H, inter = problem.hidden_and_intermediate()
     from ..arch import get_arch
-    from ..ops.linear import target_path
+    from ..ops.linear import runs_packed
 
     kernel = packed_moe_kernel(arch, problem.pairs / problem.E, 2 * inter, H, model.routing.kind == "gpt_oss")
-    if kernel is None or target_path(problem.mode, get_arch(arch) if arch is not None else None) == "w4a4_native":
+    if kernel is None or not runs_packed(problem.mode, get_arch(arch) if arch is not None else None):
         return "fp4_moe_gemm"
     return f"fp4_moe_{kernel}"
 

@@ -651,6 +651,18 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
 # nvfp4_quantize
 
 
+def _check_activations(problem) -> None:
+    """What the activation kernels' problems (quantize, dequantize) share: M and K positive ints,
+    K a whole number of NVFP4 blocks."""
+    kind = type(problem).__name__
+    for name in ("M", "K"):
+        v = getattr(problem, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{kind}.{name}: expected a positive int, got {v!r}")
+    if problem.K % 16:
+        raise ValueError(f"{kind}.K: expected a multiple of 16 (the NVFP4 block), got {problem.K}")
+
+
 @dataclass(frozen=True)
 class QuantizeProblem:
     """Quantize activations x [M, K] to NVFP4 (``ops.quantize.quantize_activations``).
@@ -664,12 +676,7 @@ class QuantizeProblem:
     dynamic: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("M", "K"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"QuantizeProblem.{name}: expected a positive int, got {v!r}")
-        if self.K % 16:
-            raise ValueError(f"QuantizeProblem.K: expected a multiple of 16 (the NVFP4 block), got {self.K}")
+        _check_activations(self)
         if self.x_dtype not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"QuantizeProblem.x_dtype: expected 'bf16', 'fp16' or 'fp32', got {self.x_dtype!r}")
 
@@ -692,6 +699,24 @@ def _jit_parameters(module: str, function: str) -> list[tuple[str, bool]]:
             return [(a.arg, a.annotation is not None and "constexpr" in ast.unparse(a.annotation))
                     for a in node.args.args]
     raise ValueError(f"{module} has no function {function}")
+
+
+def _source_request(spec_name: str, kernel: tuple[str, str], types: Mapping[str, str], values: Mapping[str, Any],
+                    divisible: Sequence[str], arch: Arch, num_warps: int, maxnreg: int | None = None) -> CompileRequest:
+    """A compile request whose signature and constexprs follow the @triton.jit function's parameter
+    list as it stands in its source (``_jit_parameters``): ``types`` for the runtime arguments,
+    ``values`` for the constexprs; a parameter in neither is an error naming it."""
+    module, function = kernel
+    signature, constexprs = {}, {}
+    for name, is_constexpr in _jit_parameters(module, function):
+        table = values if is_constexpr else types
+        if name not in table:
+            raise ValueError(f"{spec_name}: {function} has a parameter {name!r} that "
+                             f"fp4moe.plan.space does not know how to {'set' if is_constexpr else 'type'}")
+        (constexprs if is_constexpr else signature)[name] = table[name]
+    return CompileRequest(kernel=f"{module}:{function}", signature=signature, constexprs=constexprs,
+                          cc=arch.sm_version, num_warps=num_warps, num_stages=1,
+                          divisible_by_16=tuple(a for a in divisible if a in signature), maxnreg=maxnreg)
 
 
 class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
@@ -742,24 +767,15 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
 
     def compile_request(self, config, problem: QuantizeProblem, arch: Arch) -> CompileRequest:
         """The request, built from the kernel's parameter list as it stands in its source file."""
-        module, function = _QUANTIZE_KERNEL
         types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
                  "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32"}
         values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
                   "SM86": arch.has_xorsign_abs_max,  # as the launcher sets it from the device
                   "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
                   "GS_BY_RECIPROCAL": True}  # CUDA's torch divides by a constant through its reciprocal
-        signature, constexprs = {}, {}
-        for name, is_constexpr in _jit_parameters(module, function):
-            table = values if is_constexpr else types
-            if name not in table:
-                raise ValueError(f"nvfp4_quantize: {function} has a parameter {name!r} that "
-                                 f"fp4moe.plan.space does not know how to {'set' if is_constexpr else 'type'}")
-            (constexprs if is_constexpr else signature)[name] = table[name]
-        divisible = tuple(a for a in ("x_ptr", "data_ptr", "scales_ptr", "K", "stride_xm") if a in signature)
-        return CompileRequest(kernel=f"{module}:{function}", signature=signature, constexprs=constexprs,
-                              cc=arch.sm_version, num_warps=config.num_warps, num_stages=1,
-                              divisible_by_16=divisible, maxnreg=config.maxnreg)
+        return _source_request(self.name, _QUANTIZE_KERNEL, types, values,
+                               ("x_ptr", "data_ptr", "scales_ptr", "K", "stride_xm"), arch, config.num_warps,
+                               config.maxnreg)
 
     def expected_mma(self, problem: QuantizeProblem, arch: Arch) -> None:
         return None  # elementwise: no tensor cores
@@ -799,12 +815,7 @@ class DequantizeProblem:
     mma_order: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("M", "K"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"DequantizeProblem.{name}: expected a positive int, got {v!r}")
-        if self.K % 16:
-            raise ValueError(f"DequantizeProblem.K: expected a multiple of 16 (the NVFP4 block), got {self.K}")
+        _check_activations(self)
 
     @property
     def k_out(self) -> int:
@@ -850,23 +861,13 @@ class DequantizeSpec(KernelSpec[DequantizeProblem, Any]):
     def compile_request(self, config, problem: DequantizeProblem, arch: Arch) -> CompileRequest:
         """The request, built from the kernel's parameter list as it stands in its source file
         (weight globals: one per expert of up to 256 experts, the MoE's case)."""
-        module, function = _DEQUANTIZE_KERNEL
         types = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",
                  "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "K_OUT": "i32", "stride_dm": "i32",
                  "stride_sm": "i32", "stride_om": "i32", "G": "i32"}
         values = {"BLOCK_K": config.block_k, "HAS_WG": True, "BLOCK_G": 256, "MMA_ORDER": problem.mma_order,
                   "PDL": arch.has_pdl}
-        signature, constexprs = {}, {}
-        for name, is_constexpr in _jit_parameters(module, function):
-            table = values if is_constexpr else types
-            if name not in table:
-                raise ValueError(f"nvfp4_dequantize: {function} has a parameter {name!r} that "
-                                 f"fp4moe.plan.space does not know how to {'set' if is_constexpr else 'type'}")
-            (constexprs if is_constexpr else signature)[name] = table[name]
-        divisible = tuple(a for a in ("data_ptr", "scales_ptr", "out_ptr", "K") if a in signature)
-        return CompileRequest(kernel=f"{module}:{function}", signature=signature, constexprs=constexprs,
-                              cc=arch.sm_version, num_warps=config.num_warps, num_stages=1,
-                              divisible_by_16=divisible)
+        return _source_request(self.name, _DEQUANTIZE_KERNEL, types, values, ("data_ptr", "scales_ptr", "out_ptr", "K"),
+                               arch, config.num_warps)
 
     def expected_mma(self, problem: DequantizeProblem, arch: Arch) -> None:
         return None  # elementwise: no tensor cores
