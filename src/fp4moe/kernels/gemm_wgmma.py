@@ -336,14 +336,20 @@ def mma_order_rows_kernel(
     """Activations into the weights' MMA K order for the wgmma kernel's TMA loads: output pair q of a
     64-K chunk (MMA pair 8kl + 4i2 + t) is stored pair 8t + 2kl + i2 of that chunk (``mma_layout``);
     rows optionally gathered (MoE GEMM 1: one row per token-expert pair; a negative source row, a
-    dropped pair, reads as zeros); K past K_X is zero."""
+    dropped pair, reads as zeros); K past K_X is zero.
+
+    With u = 2kl + i2 the chunk's stored pair 8t + u goes to 4u + t: a [4, 8] -> [8, 4] transpose of
+    its 32 pairs. The tile is loaded and stored contiguously (16-byte vectors) and transposed in
+    registers (the compiler's layout conversion through shared memory). The first version loaded
+    each pair from its permuted address, one 4-byte load per pair: 61% of the copy bandwidth on the
+    H200 (38 us of a 958 us prefill at 12288x6144, M = 4096)."""
     pid_r = tl.program_id(0)
     pid_q = tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < R
     src = tl.load(row_ptr + r, mask=r_mask, other=0) if GATHER else r
     q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    pair = stored_pair(q)
-    v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + pair[None, :],
-                mask=(r_mask & (src >= 0))[:, None] & (2 * pair < K_X)[None, :], other=0)
+    v = tl.load(x_ptr + src.to(tl.int64)[:, None] * stride_x + q[None, :],
+                mask=(r_mask & (src >= 0))[:, None] & (2 * q < K_X)[None, :], other=0)
+    v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_R, BLOCK_Q // 32, 4, 8)), (0, 1, 3, 2)), (BLOCK_R, BLOCK_Q))
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + q[None, :], v, mask=r_mask[:, None])
