@@ -2,8 +2,9 @@
 correctness of each configuration against the reference, then times against torch bf16 ``matmul``
 in the same run. GPU only (SM90).
 Usage: PYTHONPATH=src python3 scripts/sweep_wgmma_tiles.py [--out DIR] [--ms 1024,4096,16384]
-  [--shapes NxK,...] [--mid | --depth | --ws]   (--ws: the warp-specialized kernel, kernels/gemm_ws.py,
-  against the register-A kernel in the same run)"""
+  [--shapes NxK,...] [--mid | --depth | --ws | --persistent]   (--ws: the warp-specialized kernel,
+  kernels/gemm_ws.py, against the register-A kernel in the same run; --persistent: one program per
+  SM over its tiles against one per tile)"""
 import argparse
 import json
 import os
@@ -31,6 +32,10 @@ MID_CONFIGS = [WgmmaConfig(), WgmmaConfig(block_m=64), WgmmaConfig(block_m=64, w
 WS_CONFIGS = [WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=128, warps=8, repeats=1)] + [
     WgmmaConfig(block_m=bm, warps=8, repeats=1, stages=s, ws=True) for bm, s in [(256, 4), (256, 5), (128, 6), (64, 8)]]
 
+#: one program per SM over its share of the tiles against a program per tile (session 14)
+PERSISTENT_CONFIGS = [WgmmaConfig(block_m=bm, warps=8, repeats=1, stages=s, persistent=p)
+                      for bm, s in [(256, 4), (256, 3)] for p in (False, True)]
+
 DEPTH_CONFIGS = [WgmmaConfig(block_m=256, warps=8, repeats=1, stages=s, group_m=g) for s in (3, 4, 5, 6) for g in (8, 16)]
 
 
@@ -42,6 +47,7 @@ def main():
     ap.add_argument("--depth", action="store_true", help="M = 4096, 16384: ring depth and raster group of 256-row tiles")
     ap.add_argument("--shapes", default="12288x6144,6144x12288,4096x6144,6144x2048", help="NxK,... to time")
     ap.add_argument("--ws", action="store_true", help="the warp-specialized kernel's variants (WS_CONFIGS)")
+    ap.add_argument("--persistent", action="store_true", help="persistent programs against one per tile")
     args = ap.parse_args()
     global CONFIGS
     if args.mid:
@@ -50,6 +56,8 @@ def main():
     if args.depth:
         CONFIGS = DEPTH_CONFIGS
         args.ms = "4096,16384"
+    if args.persistent:
+        CONFIGS = PERSISTENT_CONFIGS
     if args.ws:
         CONFIGS = WS_CONFIGS
         if args.ms == ap.get_default("ms"):
@@ -99,7 +107,8 @@ def main():
                   + " ".join(f"{k}={v:.1f}" for k, v in row.items() if k.startswith("wgmma")), flush=True)
             res["time"].append(row)
     if args.out:
-        stem = "sweep-wgmma-tiles" + ("-mid" if args.mid else "-depth" if args.depth else "-ws" if args.ws else "")
+        stem = "sweep-wgmma-tiles" + ("-mid" if args.mid else "-depth" if args.depth else "-ws" if args.ws
+                                      else "-persistent" if args.persistent else "")
         with open(os.path.join(args.out, f"{stem}-h200.json"), "w") as f:
             json.dump(res, f, indent=1)
 

@@ -30,7 +30,14 @@ def test_config_validation_and_choice():
         with pytest.raises(ValueError, match="tail_m"):
             WgmmaConfig(tail_m=bad)
     wide = dict(stages=4, group_m=8, warps=8, repeats=1)
-    assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=256, **wide)
+    assert choose_wgmma_config(4096, 12288, 6144) == WgmmaConfig(block_m=256, persistent=True, **wide)
+    assert str(choose_wgmma_config(4096, 12288, 6144)) == "wgmma_n128_m256_s4_g8_r1_p"
+    assert WgmmaConfig.parse("wgmma_n128_m256_s4_g8_r1_p") == choose_wgmma_config(4096, 12288, 6144)
+    assert not choose_wgmma_config(512, 12288, 6144).persistent  # 128-row tiles: two programs per SM
+    for bad in (dict(warps=4, repeats=1), dict(warps=8, repeats=1, split_k=2), dict(warps=8, repeats=1, ws=True),
+                dict(warps=8, repeats=1, tail_m=64)):
+        with pytest.raises(ValueError, match="persistent"):
+            WgmmaConfig(persistent=True, block_m=256, **bad)
     # the fewest waves x rows, on 132 SMs (what the H200 sweep measured fastest at each point)
     assert choose_wgmma_config(96, 4096, 6144).block_m == 64  # one wave either way: fewest rows
     assert choose_wgmma_config(256, 6144, 12288).block_m == 128  # 96 programs: one wave of 128 rows
@@ -191,16 +198,17 @@ from fp4moe.plan.crosscompile import mma_instructions
 from fp4moe.plan.sass import count_hgmma, sass_of_ptx, wgmma_register_hazards
 out = []
 fn = G.fp4_gemm_wgmma_kernel
-for gemm, warps, bm, stages, fmt, bias, repeats, tail, split in json.loads(sys.argv[1]):
+for gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent in json.loads(sys.argv[1]):
     req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail,
-                                            split_k=split), fmt, 90, gemm=gemm, has_bias=bias)
+                                            split_k=split, persistent=persistent), fmt, 90, gemm=gemm, has_bias=bias)
     sig = dict(req.signature, **{k: "constexpr" for k in req.constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=req.constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
     sass = sass_of_ptx(ptx, 90)
-    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail, split], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+                "local": sass.count("STL") + sass.count("LDL"),
                 "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
@@ -262,8 +270,8 @@ def test_loop_spill_count():
 
 # the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and
 # the rest of the shape space (two warpgroups, 3- and 6-deep rings, MXFP4), compiled as launched
-# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m, split_k)
-WGMMA_CASES = [c + (1,) for c in [
+# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m, split_k, persistent)
+WGMMA_CASES = [c + (1, False) for c in [
     ("linear", 4, 128, 4, "nvfp4", True, 2, 0), ("linear", 4, 64, 4, "nvfp4", False, 2, 0),
     ("linear", 4, 64, 3, "mxfp4", True, 2, 0), ("linear", 8, 128, 6, "nvfp4", True, 2, 0),
     ("linear", 8, 128, 4, "mxfp4", False, 2, 0), ("linear", 8, 256, 4, "nvfp4", True, 1, 0),
@@ -276,8 +284,10 @@ WGMMA_CASES = [c + (1,) for c in [
     ("gemm1", 4, 16, 6, "mxfp4", False, 2, 0), ("gemm2", 8, 16, 4, "nvfp4", False, 2, 0),
     ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32), ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32)]] + [
     # small batches: K split over programs (fp32 partials, bias in the reduction)
-    ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4), ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8),
-    ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2)]
+    ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4, False), ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8, False),
+    ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2, False),
+    # persistent programs (the prefill's 256-row tiles): no spills either
+    ("linear", 8, 256, 4, "nvfp4", True, 1, 0, 1, True), ("linear", 8, 256, 3, "mxfp4", False, 1, 0, 1, True)]
 
 
 def test_cross_compiles_for_sm90():
@@ -292,13 +302,15 @@ def test_cross_compiles_for_sm90():
     limit = get_arch("sm90").smem_per_block_optin
     assert len(results) == len(WGMMA_CASES)
     for r in results:
-        gemm, warps, bm, stages, fmt, bias, repeats, tail, split = r["case"]
-        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail, split_k=split)
+        gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent = r["case"]
+        cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail, split_k=split,
+                          persistent=persistent)
         model = sum(each * count for _, each, count in wgmma_smem_terms(cfg, fmt))
         assert r["shared"] == model and r["shared"] <= limit, r
         assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
         assert r["decode"] > 0 and r["cp_async"] == 0 and r["tma"] > 0 and r["mbarrier_wait"] > 0, r  # all by TMA
         assert r["hgmma"] > 0 and r["hazards"] == [], r  # checked something, found nothing
+        assert not persistent or r["local"] == 0, r  # the epilogue's row offsets are not hoisted out of the tile loop
 
 
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
@@ -353,7 +365,9 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
                WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True),
                WgmmaConfig(block_m=64, warps=8, repeats=1, stages=6, ws=True),
                WgmmaConfig(block_m=32, split_k=4), WgmmaConfig(block_m=64, split_k=3, stages=6),
-               WgmmaConfig(block_m=16, warps=8, repeats=1, split_k=8))
+               WgmmaConfig(block_m=16, warps=8, repeats=1, split_k=8),
+               WgmmaConfig(block_m=256, warps=8, repeats=1, persistent=True),  # K = 64: one chunk, not persistent
+               WgmmaConfig(block_m=256, warps=8, repeats=1, stages=3, persistent=True))
     check_packed_linear(launch_linear_wgmma, configs, fmt, M, N, K)
 
 

@@ -34,6 +34,15 @@ change lets them collide again, ptxas serialises (it injected a full wait in the
 build, ptxas info C7517) rather than corrupting. ``fp4moe.plan.sass.wgmma_register_hazards``
 checks the SASS of the configurations the tests and the planner compile.
 
+Persistent programs (plain linear, 256-row tiles, ``PERSISTENT``): one program per SM takes tiles
+pid, pid + grid, ... and its ring runs on from one tile's chunks into the next one's, so that the
+next tile's first chunks load while this one finishes and stores its output. A program per tile
+paid its launch, the ring's first loads and its stores' drain once per tile: 6-14% of the time on
+K = 2048 (H200, session 14). The next tile's coordinates are computed once per tile (per chunk,
+their integer divisions made the loop 9% slower), and the epilogue's row indices pass through an
+opaque ``mov`` so that the compiler does not hoist their offsets out of the tile loop (kept live
+across it, they spilled ~300 local-memory operations per tile).
+
 One program: 16 REPEATS WARPS weight rows (WARPS = 4 or 8 warps, one or two warpgroups, x 16 rows,
 REPEATS = 1 or 2 times) x BLOCK_M rows of activations. With REPEATS = 1 a 256-row activation tile
 fits the same 128 accumulator registers, and each decoded weight feeds twice as many MMA columns.
@@ -81,15 +90,20 @@ def mma_pair(s):
 def _load_chunk(cn, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
                 NB: gl.constexpr, SWIGLU: gl.constexpr):
     """TMA copies of the program's chunk ``cn`` (K chunk kc0 + cn; nothing at or past n_c) into
-    ring slot ``cn % STAGES`` on its mbarrier: the activation tile and the program's NB weight row
-    blocks, words and scale pairs (16-row block b's at [b, chunk]: one box from rb0, or for GEMM 1
-    NB / 2 gate blocks from rb0 and as many up blocks from rb_up). Blocks past the program's rows
-    (N or I not a multiple of the tile) are the same expert's up rows (GEMM 1's gate box), the next
-    expert's rows, or zeros past the tensor: they feed only accumulator rows whose columns are
-    never stored."""
-    slot = cn % x_smem.shape[0]
-    pred = cn < n_c
-    kc = kc0 + cn
+    ring slot ``cn % STAGES`` (``_load_stage``)."""
+    _load_stage(cn % x_smem.shape[0], cn < n_c, kc0 + cn, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                row_start, rb0, rb_up, NB, SWIGLU)
+
+
+@gluon.jit
+def _load_stage(slot, pred, kc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
+                NB: gl.constexpr, SWIGLU: gl.constexpr):
+    """Where ``pred``, TMA copies of K chunk ``kc`` into ring slot ``slot`` on its mbarrier: the
+    activation tile from ``row_start`` and the program's NB weight row blocks, words and scale pairs
+    (16-row block b's at [b, chunk]: one box from rb0, or for GEMM 1 NB / 2 gate blocks from rb0
+    and as many up blocks from rb_up). Blocks past the program's rows (N or I not a multiple of the
+    tile) are the same expert's up rows (GEMM 1's gate box), the next expert's rows, or zeros past
+    the tensor: they feed only accumulator rows whose columns are never stored."""
     S: gl.constexpr = s_desc.block_type.shape[1]
     W_COPIES: gl.constexpr = 2 if SWIGLU > 0 else 1
     mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes
@@ -132,13 +146,21 @@ def _k_step(c, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, re
             w_layout: gl.constexpr):
     """The program's chunk c (K chunk kc0 + c): refill the buffers chunk c-2 used (every warpgroup
     is past chunk c-1's wait, so c-2's wgmma is done and its weight words and scales are read
-    everywhere) with chunk c + STAGES - 2, decode c's weights into the A operand and issue its
-    wgmma, keeping one in flight."""
+    everywhere) with chunk c + STAGES - 2, then ``_mma_stage`` on chunk c."""
     gl.thread_barrier()
     _load_chunk(c + STAGES - 2, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
                 rb_up, NB, SWIGLU)
-    slot = c % STAGES
-    mbarrier.wait(ready.index(slot), (c // STAGES) & 1)
+    return _mma_stage(c % STAGES, (c // STAGES) & 1, acc, x_smem, w_smem, s_smem, ready, WARPS, NB, MXFP4, DECODE,
+                      SCALE, a_layout, w_layout)
+
+
+@gluon.jit
+def _mma_stage(slot, phase, acc, x_smem, w_smem, s_smem, ready, WARPS: gl.constexpr, NB: gl.constexpr,
+               MXFP4: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, a_layout: gl.constexpr,
+               w_layout: gl.constexpr):
+    """Wait for ring slot ``slot`` (its ``phase``), decode its weights into the A operand and issue
+    its wgmma, keeping one in flight."""
+    mbarrier.wait(ready.index(slot), phase)
     w = w_smem.index(slot).reshape([NB, 1, 32, 4]).load(w_layout)
     s = load_scales(s_smem.index(slot), MXFP4, gl.SliceLayout(3, w_layout), WARPS)
     wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
@@ -176,18 +198,7 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
         rb0 = rb_e + pid_n * NB
         rb_up = rb0
 
-    # the ring: activation tiles (the 128-byte swizzle wgmma reads), the program's weight words
-    # ([NB, 128] int32 per chunk, each thread then reads its own 16 bytes) and their scale pairs, all
-    # by TMA on one mbarrier per stage (the scales once came through registers two chunks ahead: at
-    # small M a chunk is short and their load latency was exposed)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 128], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, NB, s_desc.block_type.shape[1]], s_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()
-    gl.thread_barrier()
+    x_smem, w_smem, s_smem, ready = _ring(x_desc, w_desc, s_desc, BLOCK_M, NB, STAGES)
     for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
         _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
                     SWIGLU)
@@ -205,9 +216,37 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    # epilogue in the accumulator's layout: the same helper as the Triton MoE kernels (globals,
-    # bias, activation, routing weight, store or scatter); the plain linear is GEMM 2 without
-    # routing weight or scatter, its one global read as "expert 0"
+    _tile_epilogue(acc, FOLD, e, pid_n, row_start, row_end, N, wg_ptr, bias_ptr, row_w_ptr, row_out_ptr, out_ptr,
+                   stride_ge, stride_be, stride_om, SWIGLU, WG_MODE, HAS_BIAS, HAS_RW, SCATTER, OUT_MMA_ORDER)
+
+
+@gluon.jit
+def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, NB: gl.constexpr, STAGES: gl.constexpr):
+    """The ring, its mbarriers initialised: activation tiles (the 128-byte swizzle wgmma reads), the
+    program's weight words ([NB, 128] int32 per chunk, each thread then reads its own 16 bytes) and
+    their scale pairs, all by TMA on one mbarrier per stage (the scales once came through registers
+    two chunks ahead: at small M a chunk is short and their load latency was exposed)."""
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, NB, s_desc.block_type.shape[1]], s_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    gl.thread_barrier()
+    return x_smem, w_smem, s_smem, ready
+
+
+@gluon.jit
+def _tile_epilogue(acc, FOLD: gl.constexpr, e, pid_n, row_start, row_end, N, wg_ptr, bias_ptr, row_w_ptr, row_out_ptr,
+                   out_ptr, stride_ge, stride_be, stride_om, SWIGLU: gl.constexpr, WG_MODE: gl.constexpr,
+                   HAS_BIAS: gl.constexpr, HAS_RW: gl.constexpr, SCATTER: gl.constexpr, OUT_MMA_ORDER: gl.constexpr,
+                   OPAQUE_ROWS: gl.constexpr = False):
+    """A tile's epilogue in the accumulator's layout: the same helper as the Triton MoE kernels
+    (globals, bias, activation, routing weight, store or scatter); the plain linear is GEMM 2 without
+    routing weight or scatter, its one global read as "expert 0"."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
     if SWIGLU > 0:  # the two register repeats: gate rows, then the matching up rows
         acc_g, acc_u = gl.split(gl.permute(gl.reshape(acc, [2, BLOCK_N // 2, BLOCK_M]), [1, 2, 0]))
         N_OUT = N // 2
@@ -217,7 +256,10 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
         N_OUT = N
     epi: gl.constexpr = acc_g.type.layout
     cols = pid_n * acc_g.shape[0] + gl.arange(0, acc_g.shape[0], layout=gl.SliceLayout(1, epi))
-    rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, epi))
+    if OPAQUE_ROWS:  # a persistent program: keep the compiler from hoisting the rows' offsets out of its tile loop
+        rows = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [rows], dtype=gl.int32, is_pure=False, pack=1)
+    rows = row_start + rows
     gate_rows, up_rows = _gate_up_rows(cols, N_OUT, SWIGLU, False)
     if OUT_MMA_ORDER:  # column j (bf16 pair j // 2) goes to its MMA position
         out_cols = 2 * mma_pair(cols // 2) + cols % 2
@@ -245,16 +287,91 @@ def program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, n_tiles_n, KC
         kc_end = gl.where(e >= 0, KC, 0)
         e = gl.maximum(e, 0)
     else:
-        per_group = GROUP_M * n_tiles_n
-        first_m = (pid // per_group) * GROUP_M
-        size_m = gl.minimum(n_tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % size_m
-        pid_n = (pid % per_group) // size_m
+        pid_m, pid_n = _raster(pid, n_tiles_n, n_tiles_m, GROUP_M)
         e = 0
         row_start = pid_m * BLOCK_M
         row_end = M
         kc_end = KC
     return e, pid_n, row_start, row_end, kc_end
+
+
+@gluon.jit
+def _raster(tile, n_tiles_n, n_tiles_m, GROUP_M: gl.constexpr):
+    """(M tile, N tile) of plain tile number ``tile``: raster groups of GROUP_M activation tiles x
+    all N tiles, M fastest inside a group (weights and activations stay in L2)."""
+    per_group = GROUP_M * n_tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    size_m = gl.maximum(gl.minimum(n_tiles_m - first_m, GROUP_M), 1)  # >= 1 past the last tile too
+    return first_m + (tile % per_group) % size_m, (tile % per_group) // size_m
+
+
+@gluon.jit
+def _gemm_persistent(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+                     n_tiles_n, n_tiles_m, WARPS: gl.constexpr, REPEATS: gl.constexpr, STAGES: gl.constexpr,
+                     MXFP4: gl.constexpr, WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, FOLD: gl.constexpr,
+                     DECODE: gl.constexpr, SCALE: gl.constexpr, GROUP_M: gl.constexpr):
+    """The plain linear, persistent: program p computes tiles p, p + grid, ... (``_raster`` order)
+    through one ring whose chunks run on from one tile into the next, so the next tile's first
+    chunks load while this tile finishes and stores its output. Each tile's K loop is
+    ``_gemm_tile``'s: unrolled by two, one wgmma group in flight (module docstring). The launcher
+    guarantees K / 64 >= STAGES - 2, so a refill reaches at most into the next tile."""
+    NB: gl.constexpr = REPEATS * WARPS
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    w_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 4], threads_per_warp=[1, 1, 32, 1],
+                                              warps_per_cta=[WARPS, 1, 1, 1], order=[3, 2, 1, 0])
+    KC = K // 64
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    my_tiles = (n_tiles_m * n_tiles_n - pid + nprog - 1) // nprog
+    x_smem, w_smem, s_smem, ready = _ring(x_desc, w_desc, s_desc, BLOCK_M, NB, STAGES)
+    m_next, n_next = _raster(pid, n_tiles_n, n_tiles_m, GROUP_M)
+    for i in gl.static_range(STAGES - 2):  # prologue: the first tile's chunks 0 .. STAGES-3 in flight
+        _load_stage(i, my_tiles > 0, i, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, m_next * BLOCK_M,
+                    n_next * NB, n_next * NB, NB, 0)
+
+    for t in range(my_tiles):
+        # this tile and the next (whose first chunks the last refills of this one load), once per tile
+        m_cur = m_next
+        n_cur = n_next
+        m_next, n_next = _raster(pid + (t + 1) * nprog, n_tiles_n, n_tiles_m, GROUP_M)
+        tile = (m_cur * BLOCK_M, n_cur * NB, m_next * BLOCK_M, n_next * NB, t + 1 < my_tiles)
+        g0 = t * KC
+        acc = gl.zeros([16 * NB, BLOCK_M], gl.float32, layout=mma)
+        for j in range(0, KC // 2):
+            acc = _stream_step(g0, 2 * j, KC, tile, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                               STAGES, WARPS, NB, MXFP4, DECODE, SCALE, a_layout, w_layout)
+            acc = _stream_step(g0, 2 * j + 1, KC, tile, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                               STAGES, WARPS, NB, MXFP4, DECODE, SCALE, a_layout, w_layout)
+        if KC % 2 == 1:
+            acc = _stream_step(g0, KC - 1, KC, tile, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                               STAGES, WARPS, NB, MXFP4, DECODE, SCALE, a_layout, w_layout)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        _tile_epilogue(acc, FOLD, pid * 0, n_cur, m_cur * BLOCK_M, M, N, wg_ptr, bias_ptr, out_ptr, out_ptr, out_ptr,
+                       0, 0, stride_om, 0, WG_MODE, HAS_BIAS, False, False, False, True)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+
+@gluon.jit
+def _stream_step(g0, c, KC, tile, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, STAGES: gl.constexpr,
+                 WARPS: gl.constexpr, NB: gl.constexpr, MXFP4: gl.constexpr, DECODE: gl.constexpr,
+                 SCALE: gl.constexpr, a_layout: gl.constexpr, w_layout: gl.constexpr):
+    """``_k_step`` on a persistent program's stream (chunk c of the tile whose first chunk is stream
+    chunk g0; ``tile`` = its first activation row and weight row block, the next tile's, and whether
+    there is one): refill chunk c-2's buffers with chunk c + STAGES - 2, past KC the next tile's,
+    then ``_mma_stage`` on chunk c."""
+    r0, rb0, r0_next, rb0_next, has_next = tile
+    gl.thread_barrier()
+    cn = c + STAGES - 2
+    nxt = cn >= KC
+    _load_stage((g0 + cn) % STAGES, (cn < KC) | has_next, gl.where(nxt, cn - KC, cn), x_desc, w_desc, s_desc,
+                x_smem, w_smem, s_smem, ready, gl.where(nxt, r0_next, r0), gl.where(nxt, rb0_next, rb0),
+                gl.where(nxt, rb0_next, rb0), NB, 0)
+    g = g0 + c
+    return _mma_stage(g % STAGES, (g // STAGES) & 1, acc, x_smem, w_smem, s_smem, ready, WARPS, NB, MXFP4, DECODE,
+                      SCALE, a_layout, w_layout)
 
 
 @gluon.jit
@@ -286,6 +403,7 @@ def fp4_gemm_wgmma_kernel(
     FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
     GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
     TAIL_M: gl.constexpr,  # GROUPED: tiles of at most TAIL_M rows run as TAIL_M-row tiles (0: never)
+    PERSISTENT: gl.constexpr = False,  # plain, no split-K: ``_gemm_persistent`` (grid <= tiles)
 ):
     NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
     gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
@@ -296,6 +414,11 @@ def fp4_gemm_wgmma_kernel(
         n_tiles_n = (N // 2 + BLOCK_N // 2 - 1) // (BLOCK_N // 2)
     else:
         n_tiles_n = (N + BLOCK_N - 1) // BLOCK_N
+    if PERSISTENT:
+        gl.static_assert(not GROUPED and SWIGLU == 0 and TAIL_M == 0, "persistent: the plain linear only")
+        _gemm_persistent(x_desc, BLOCK_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, M, N, K, stride_om, n_tiles_n,
+                         n_tiles_m, WARPS, REPEATS, STAGES, MXFP4, WG_MODE, HAS_BIAS, FOLD, DECODE, SCALE, GROUP_M)
+        return
     e, pid_n, row_start, row_end, kc_end = program_tile(tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, n_tiles_n,
                                                         KC, n_tiles_m, BLOCK_M, GROUPED, GROUP_M)
     kc0 = 0

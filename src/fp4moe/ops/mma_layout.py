@@ -603,7 +603,9 @@ class WgmmaConfig:
     a fixed order (small M: more programs and more weight bytes in flight than the output tiles
     give); ``ws`` the warp-specialized kernel
     (``kernels.gemm_ws``: a decode warpgroup writes the bf16 weight tile to shared memory for the
-    ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus ``WS_A_STAGES`` decoded tiles)."""
+    ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus ``WS_A_STAGES`` decoded tiles);
+    ``persistent`` (plain linear, two warpgroups, no split-K) one program per SM computing tiles
+    one after the other through one ring (``kernels.gemm_wgmma._gemm_persistent``)."""
 
     block_m: int = 128
     stages: int = 4
@@ -613,6 +615,7 @@ class WgmmaConfig:
     tail_m: int = 0
     split_k: int = 1
     ws: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -640,6 +643,9 @@ class WgmmaConfig:
         if self.ws and (self.warps, self.repeats, self.tail_m) != (8, 1, 0):
             raise ValueError(f"WgmmaConfig.ws: the warp-specialized kernel has 8 MMA warps of one repeat and no "
                              f"tail tiles, got warps={self.warps} repeats={self.repeats} tail_m={self.tail_m}")
+        if self.persistent and (self.warps != 8 or self.split_k > 1 or self.tail_m or self.ws):
+            raise ValueError(f"WgmmaConfig.persistent: one program of two warpgroups per SM (warps=8), without "
+                             f"split_k, tail_m or ws, got {self}")
         if self.ws and self.stages <= WS_A_STAGES:
             raise ValueError(f"WgmmaConfig.stages: the warp-specialized kernel's TMA ring must be deeper than its "
                              f"{WS_A_STAGES} decoded tiles (the copies' lead is the difference), got {self.stages}")
@@ -651,18 +657,21 @@ class WgmmaConfig:
 
     def __str__(self) -> str:
         tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "") \
-            + (f"_split{self.split_k}" if self.split_k > 1 else "") + ("_ws" if self.ws else "")
+            + (f"_split{self.split_k}" if self.split_k > 1 else "") + ("_ws" if self.ws else "") \
+            + ("_p" if self.persistent else "")
         return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
 
     @classmethod
     def parse(cls, name: str) -> WgmmaConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``wgmma_n128_m256_s4_g8_r1``."""
-        m = re.fullmatch(r"wgmma_n(\d+)_m(\d+)_s(\d+)_g(\d+)(?:_r(\d))?(?:_t(\d+))?(?:_split(\d+))?(_ws)?", name)
+        m = re.fullmatch(r"wgmma_n(\d+)_m(\d+)_s(\d+)_g(\d+)(?:_r(\d))?(?:_t(\d+))?(?:_split(\d+))?(_ws)?(_p)?",
+                         name)
         repeats = int(m[5] or 2) if m else 2
         if not m or int(m[1]) % (16 * repeats):
             raise ValueError(f"WgmmaConfig.parse: not a configuration name: {name!r}")
         return cls(block_m=int(m[2]), stages=int(m[3]), group_m=int(m[4]), warps=int(m[1]) // (16 * repeats),
-                   repeats=repeats, tail_m=int(m[6] or 0), split_k=int(m[7] or 1), ws=bool(m[8]))
+                   repeats=repeats, tail_m=int(m[6] or 0), split_k=int(m[7] or 1), ws=bool(m[8]),
+                   persistent=bool(m[9]))
 
 
 #: the smallest batch the plain linear runs on the wgmma kernel (SM90); at MAX_M and below the
@@ -695,6 +704,10 @@ def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaCon
     picks the fastest of the measured heights, or one within 1%, at all 48 (shape, M) points of the
     GLM-5 sweep, M = 96..16384 (``benchmarks/raw/sweep-wgmma-tiles*-h200.json``); against the earlier single warpgroup of two
     repeats and 128-row tiles it is 9-15% faster at M = 4096 (12288x6144: 1,054 -> 964 us).
+    256-row tiles run persistent (one program per SM; session 14, ``sweep_wgmma_tiles.py
+    --persistent``: 0-2% faster on 12288x6144, 2.5-7% on 4096x6144, 6-14% on 6144x2048 at M =
+    1024..16384). Shorter tiles keep a program per tile: two of them share an SM, which one
+    persistent program of their registers would not.
 
     Small batches (M <= WGMMA_SPLIT_MAX_M) are bound by the weight stream, which one tile row of
     programs cannot keep busy: one warpgroup of two repeats (128 weight rows) over a 32- or 64-row
@@ -716,7 +729,7 @@ def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaCon
         return waves * _WGMMA_TILE_COST[bm], -bm
 
     block_m = min(_WGMMA_TILE_COST, key=cost)
-    return WgmmaConfig(block_m=block_m, stages=4, group_m=8, warps=8, repeats=1)
+    return WgmmaConfig(block_m=block_m, stages=4, group_m=8, warps=8, repeats=1, persistent=block_m == 256)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
@@ -860,6 +873,8 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
         wg_mode = 0 if consts["MXFP4"] else 1
     if gemm == "linear" and config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config} for the plain linear")
+    if gemm != "linear" and config.persistent:
+        raise ValueError(f"config: persistent is for the plain linear, got {config} for {gemm}")
     common = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, WG_MODE=wg_mode,
                   HAS_BIAS=has_bias, GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
                   GROUP_M=config.group_m if gemm == "linear" else 1, **consts)
@@ -883,7 +898,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                  **_epilogue_signature("*fp32" if config.split_k > 1 else "*bf16"),
                  "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
-                      OUT_MMA_ORDER=gemm == "gemm1", TAIL_M=config.tail_m)
+                      OUT_MMA_ORDER=gemm == "gemm1", TAIL_M=config.tail_m, PERSISTENT=config.persistent)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("out_ptr", "N", "K", "stride_om"))
@@ -959,6 +974,11 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
                   HAS_BIAS=fused_bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False,
                   GROUP_M=config.group_m, WARPS=config.warps, **_decode_consts(p.fmt))
     grid = (tiles_m * triton.cdiv(N, config.block_n), split)
+    if config.persistent and k_stored // KCHUNK >= config.stages - 2:  # a refill reaches into the next tile at most
+        # one program of two warpgroups per SM (registers), each over its share of the tiles
+        grid = (min(grid[0], torch.cuda.get_device_properties(out.device).multi_processor_count), 1)
+    elif config.persistent:
+        config = replace(config, persistent=False)
     if config.ws:
         from ..kernels.gemm_ws import fp4_gemm_ws_kernel
 
@@ -969,7 +989,7 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     fp4_gemm_wgmma_kernel[grid](w_desc, _s_desc(p, _w_box_rows(config, False)), x_desc, x_desc, *rest, per_split,
                                 SWIGLU=0,
                                 ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
-                                num_warps=config.warps, **consts)
+                                PERSISTENT=config.persistent, num_warps=config.warps, **consts)
     if split > 1:
         from .linear import reduce_splits
 
@@ -1015,8 +1035,8 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
 
     if plan.block_m != config.block_m:
         raise ValueError(f"plan: block_m {plan.block_m} differs from the configuration's {config.block_m}")
-    if config.split_k > 1:
-        raise ValueError(f"config: the grouped GEMMs do not split K over programs, got {config}")
+    if config.split_k > 1 or config.persistent:
+        raise ValueError(f"config: the grouped GEMMs neither split K over programs nor run persistent, got {config}")
     if swiglu and config.repeats != 2:
         raise ValueError(f"config: GEMM 1 with the fused activation needs repeats=2 (a thread holds a gate row "
                          f"and its up row), got {config}")
