@@ -43,11 +43,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--ms", default="1024,4096,16384")
-    ap.add_argument("--mid", action="store_true", help="M = 96..2048 and the configurations that compete there")
-    ap.add_argument("--depth", action="store_true", help="M = 4096, 16384: ring depth and raster group of 256-row tiles")
+    modes = ap.add_mutually_exclusive_group()
+    modes.add_argument("--mid", action="store_true", help="M = 96..2048 and the configurations that compete there")
+    modes.add_argument("--depth", action="store_true",
+                       help="M = 4096, 16384: ring depth and raster group of 256-row tiles")
     ap.add_argument("--shapes", default="12288x6144,6144x12288,4096x6144,6144x2048", help="NxK,... to time")
-    ap.add_argument("--ws", action="store_true", help="the warp-specialized kernel's variants (WS_CONFIGS)")
-    ap.add_argument("--persistent", action="store_true", help="persistent programs against one per tile")
+    modes.add_argument("--ws", action="store_true", help="the warp-specialized kernel's variants (WS_CONFIGS)")
+    modes.add_argument("--persistent", action="store_true", help="persistent programs against one per tile")
     args = ap.parse_args()
     global CONFIGS
     if args.mid:

@@ -1,6 +1,8 @@
 """The Hopper prefill kernel (kernels/gemm_wgmma.py): configuration and launcher checks and the
 SM90 cross-compilation on CPU; the kernel itself, the linear routing and the MoE layer on the GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -35,9 +37,10 @@ def test_config_validation_and_choice():
     assert WgmmaConfig.parse("wgmma_n128_m256_s4_g8_r1_p") == choose_wgmma_config(4096, 12288, 6144)
     assert not choose_wgmma_config(512, 12288, 6144).persistent  # 128-row tiles: two programs per SM
     for bad in (dict(warps=4, repeats=1), dict(warps=8, repeats=1, split_k=2), dict(warps=8, repeats=1, ws=True),
-                dict(warps=8, repeats=1, tail_m=64)):
+                dict(warps=8, repeats=1, tail_m=64), dict(warps=8, repeats=1, block_m=128)):
         with pytest.raises(ValueError, match="persistent"):
-            WgmmaConfig(persistent=True, block_m=256, **bad)
+            WgmmaConfig(persistent=True, **{"block_m": 256, **bad})
+    assert not choose_wgmma_config(4096, 12288, 64).persistent  # one K chunk: a refill would reach two tiles on
     # the fewest waves x rows, on 132 SMs (what the H200 sweep measured fastest at each point)
     assert choose_wgmma_config(96, 4096, 6144).block_m == 64  # one wave either way: fewest rows
     assert choose_wgmma_config(256, 6144, 12288).block_m == 128  # 96 programs: one wave of 128 rows
@@ -138,8 +141,17 @@ def test_mma_order_rows_matches_the_weight_permutation(M, K, k_stored, gather):
 def test_wgmma_launchers_check_their_buffers():
     """Bad buffers are refused before anything launches (CPU: the checks run first)."""
     from fp4moe.ops.dispatch import dispatch
-    from fp4moe.ops.mma_layout import _x_desc, launch_grouped_wgmma, mma_order_rows
+    from fp4moe.ops.mma_layout import (_x_desc, launch_grouped_wgmma, launch_linear_wgmma, mma_order_rows, pack_mma,
+                                       wgmma_compile_request)
     from fp4moe.ops.moe import mma_packed_experts, random_moe_problem
+
+    persistent = WgmmaConfig(block_m=256, warps=8, repeats=1, persistent=True)
+    with pytest.raises(ValueError, match="max_programs"):
+        launch_linear_wgmma(torch.randn(4, 128, dtype=torch.bfloat16), pack_mma(quantize(torch.randn(32, 128))), None,
+                            torch.empty(4, 32, dtype=torch.bfloat16), persistent, max_programs=0)
+    for gemm in ("gemm1", "gemm2"):
+        with pytest.raises(ValueError, match="persistent is for the plain linear"):
+            wgmma_compile_request(persistent, "nvfp4", 90, gemm=gemm)
 
     x = torch.randn(8, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="rows: expected a 1-D int32/int64"):
@@ -164,6 +176,9 @@ def test_wgmma_launchers_check_their_buffers():
         launch_grouped_wgmma(prob.x, p13, 192, plan, torch.zeros(R, 128), cfg, gather=True, out_mma_order=True)
     with pytest.raises(ValueError, match="not gathered again"):
         launch_grouped_wgmma(prob.x, p13, 192, plan, h_short, cfg, gather=True, x_mma_order=True, swiglu=1)
+    with pytest.raises(ValueError, match="neither split K over programs nor run persistent"):
+        launch_grouped_wgmma(prob.x, p13, 192, dispatch(prob.topk_ids, 4, 256), torch.zeros(R, 128), persistent,
+                             gather=True)
     with pytest.raises(ValueError, match="needs repeats=2"):
         launch_grouped_wgmma(prob.x, p13, 192, plan, h_short, WgmmaConfig(block_m=64, repeats=1), gather=True,
                              out_mma_order=True, swiglu=1)
@@ -369,6 +384,33 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
                WgmmaConfig(block_m=256, warps=8, repeats=1, persistent=True),  # K = 64: one chunk, not persistent
                WgmmaConfig(block_m=256, warps=8, repeats=1, stages=3, persistent=True))
     check_packed_linear(launch_linear_wgmma, configs, fmt, M, N, K)
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("M,N,K,programs", [(300, 256, 320, 1),  # 2 tiles of 5 chunks (odd) on one program
+                                            (1000, 640, 2880, 3),  # 20 tiles of 45 chunks over 3 programs
+                                            (600, 384, 128, 2),  # 2 chunks: a 4-stage ring's refills reach on
+                                            (257, 512, 1024, 5)])  # more programs than some of them need
+def test_gpu_persistent_programs_over_many_tiles(fmt, M, N, K, programs):
+    """Persistent programs given many tiles each (``max_programs``; on 132 SMs the GLM-5 shapes give
+    at most a few) are correct, and bitwise equal to a program per tile: the ring's slots and phases
+    across tile boundaries, odd chunk counts, K of exactly stages - 2 chunks."""
+    from functools import partial
+
+    from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
+
+    configs = [WgmmaConfig(block_m=256, warps=8, repeats=1, stages=s, persistent=True) for s in (3, 4)]
+    check_packed_linear(partial(launch_linear_wgmma, max_programs=programs), configs, fmt, M, N, K)
+    torch.manual_seed(1)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    p = pack_mma(quantize(torch.randn(N, K, device="cuda"), fmt))
+    for cfg in configs:
+        y_tiles, y_persistent = (torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        launch_linear_wgmma(x, p, None, y_tiles, replace(cfg, persistent=False))
+        launch_linear_wgmma(x, p, None, y_persistent, cfg, max_programs=programs)
+        assert torch.equal(y_tiles, y_persistent), cfg
 
 
 @pytest.mark.gpu

@@ -572,7 +572,9 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
     with pytest.raises(ValueError, match="needs wgmma"):
         plan_op("fp4_linear_wgmma", LinearProblem(4096, 4096, 4096), "sm120", compile=False)
     with pytest.raises(ValueError, match="W4A16 with bf16"):
-        plan_op("fp4_linear_wgmma", LinearProblem(4096, 4096, 4096, mode="w4a4"), "sm90", compile=False)
+        plan_op("fp4_linear_wgmma", LinearProblem(4096, 4096, 4096, x_dtype="fp16"), "sm90", compile=False)
+    with pytest.raises(ValueError, match="native FP4 MMA"):  # W4A4 runs the Triton kernel there
+        plan_op("fp4_linear_mma", LinearProblem(1, 4096, 4096, mode="w4a4"), "sm120", compile=False)
     r = plan_op("fp4_linear_wgmma", LinearProblem(4096, 12288, 6144), "sm90", compile=False)
     assert r.chosen is not None and r.chosen.smem.total <= get_arch("sm90").smem_per_block_optin
     # the plan follows the runtime's routing: wgmma for bf16 prefill on SM90 only
@@ -587,6 +589,41 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
     assert _linear_kernel(64, 12288, 6144, "w4a4", get_arch("sm89")) == "fp4_linear"
     assert _linear_kernel(1, 12288, 6144, "w4a4", get_arch("sm120")) == "fp4_linear"
     assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear"
+
+
+def test_emulated_w4a4_plans_the_variants_the_runtime_launches(cache):
+    """Emulated W4A4 (SM80-SM90) runs the packed kernels on its activations dequantized to bf16
+    (``ops.linear._launch_packed``, ``ops.moe._run_wgmma`` with its re-quantization): what they write
+    keeps x's dtype, and the MoE's wgmma GEMM 1 writes h in K order (its quantizer reads 16
+    consecutive K), not in GEMM 2's MMA K order. The plan compiles exactly that, and it compiles."""
+    arch = get_arch("sm90")
+    moe = get_kernel("fp4_moe_wgmma")
+    for mode, x_dtype in (("w4a16", "bf16"), ("w4a4", "bf16"), ("w4a4", "fp16")):
+        gemm1 = MoEGemmProblem(T=4096, top_k=8, E=256, N=2048, K=6144, gemm=1, mode=mode, x_dtype=x_dtype)
+        gemm2 = replace(gemm1, gemm=2, N=6144, K=2048)
+        req1 = moe.compile_request(moe.heuristic(gemm1, arch), gemm1, arch)
+        req2 = moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch)
+        assert req1.constexprs["OUT_MMA_ORDER"] == (mode == "w4a16") and not req2.constexprs["OUT_MMA_ORDER"]
+        assert req1.signature["out_ptr"] == f"*{x_dtype}" and req2.signature["out_ptr"] == "*bf16"
+        assert moe.variant(gemm1, arch) == ("w4a16_wgmma" if mode == "w4a16" else "w4a4_emulated_wgmma")
+    linear = LinearProblem(1, 4096, 6144, mode="w4a4", x_dtype="fp16", has_bias=True)
+    mma = get_kernel("fp4_linear_mma")
+    req_mma = mma.compile_request(mma.heuristic(linear, arch), linear, arch)
+    assert req_mma.signature["y_ptr"] == "*fp16" and req_mma.signature["bias_ptr"] == "*fp16"
+    assert req_mma.signature["x_ptr"] == "*bf16"  # the dequantized activations
+    wg = get_kernel("fp4_linear_wgmma")
+    prefill = replace(linear, M=4096)
+    req_wg = wg.compile_request(wg.heuristic(prefill, arch), prefill, arch)
+    assert req_wg.signature["out_ptr"] == "*fp16" and req_wg.signature["bias_ptr"] == "*fp16"
+    results = cross_compile([req1, req_mma, req_wg], cache=cache)  # the fp16 W4A4 variants
+    for r in results:
+        assert r.ok and r.spill_bytes == 0 and r.wgmma_hazards == (), (r.error, r.spill_bytes)
+    from fp4moe.ops.mma_layout import WgmmaConfig, wgmma_compile_request
+
+    with pytest.raises(ValueError, match="out_dtype"):
+        wgmma_compile_request(WgmmaConfig(), "nvfp4", 90, gemm="gemm2", out_dtype="fp16")
+    with pytest.raises(ValueError, match="out_mma_order"):
+        wgmma_compile_request(WgmmaConfig(), "nvfp4", 90, gemm="gemm2", out_mma_order=True)
 
 
 def test_mma_decode_plan_on_every_architecture(cache):
@@ -632,9 +669,10 @@ def test_plan_follows_the_runtime_moe_routing():
     assert {r.kernel for _, name, _, r in sm120 if name.startswith("experts")} == {"fp4_moe_gemm"}
     oss = plan_model(get_model("gpt-oss-120b"), arch="sm90", tokens=(4096,), compile=False)
     assert {r.kernel for _, name, _, r in oss if name.startswith("experts")} == {"fp4_moe_gemm"}
-    # emulated W4A4 (SM90) runs the packed kernels as W4A16 on its dequantized activations; native W4A4
-    # (SM120) the Triton kernel's FP4 MMA
+    # emulated W4A4 (SM90) runs the packed kernels on its dequantized activations; native W4A4 (SM120)
+    # the Triton kernel's FP4 MMA
     w4a4 = plan_model(glm, arch="sm90", tokens=(16,), mode="w4a4", compile=False)
-    assert {(r.kernel, r.problem.mode) for _, name, _, r in w4a4 if name.startswith("experts")} == {("fp4_moe_mma", "w4a16")}
+    assert {(r.kernel, r.problem.mode, r.variant) for _, name, _, r in w4a4
+            if name.startswith("experts")} == {("fp4_moe_mma", "w4a4", "w4a4_emulated_mma")}
     w4a4 = plan_model(glm, arch="sm120", tokens=(16,), mode="w4a4", compile=False)
     assert {(r.kernel, r.problem.mode) for _, name, _, r in w4a4 if name.startswith("experts")} == {("fp4_moe_gemm", "w4a4")}

@@ -458,16 +458,20 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
 
 def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
                         grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0,
-                        plan_ready: bool = False):
+                        plan_ready: bool = False, out_dtype: str = "bf16"):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
     for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
-    (bf16 h, ``wg_mode`` and ``has_bias`` as the weight's)."""
+    (h, ``wg_mode`` and ``has_bias`` as the weight's). ``out_dtype`` ("bf16" or "fp16"): the plain
+    linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's dtype there; the
+    activations themselves are bf16 either way)."""
     from ..formats import get_format
     from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
     from ..plan.crosscompile import CompileRequest
 
+    if out_dtype not in ("bf16", "fp16"):
+        raise ValueError(f"out_dtype: expected 'bf16' or 'fp16', got {out_dtype!r}")
     mx = get_format(fmt) is not NVFP4
     chunks = -(-K // KCHUNK)
     divisible = ("wq_ptr", "sc_ptr", "x_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym")
@@ -475,9 +479,9 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
         if grouped:
             raise ValueError("config.kw: the in-program K split is for the plain linear, not grouped GEMMs")
         kh, kw = _fit_kw(config, chunks)
-        signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
-                     "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32", "stride_xm": "i32",
-                     "stride_ym": "i32", "k_chunks_per_slice": "i32"}
+        signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32",
+                     "bias_ptr": f"*{out_dtype}", "y_ptr": f"*{out_dtype}", "M": "i32", "N": "i32", "K": "i32",
+                     "K_X": "i32", "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_slice": "i32"}
         constexprs = dict(RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
                           HAS_WG=not mx, HAS_BIAS=has_bias, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
                           SCALE=scale_asm(mx),
@@ -489,8 +493,9 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
     kh, split, _ = _split(config, chunks)
-    signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32", "bias_ptr": "*bf16",
-                 "y_ptr": "*fp32" if (split > 1 or grouped) and not swiglu else "*bf16", "tile_expert_ptr": "*i32",
+    signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32",
+                 "bias_ptr": "*bf16" if grouped else f"*{out_dtype}",
+                 "y_ptr": "*fp32" if (split > 1 or grouped) and not swiglu else f"*{out_dtype}", "tile_expert_ptr": "*i32",
                  "tile_start_ptr": "*i32",
                  "tile_end_ptr": "*i32", "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32",
                  "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_split": "i32", "stride_ge": "i32",
@@ -604,8 +609,9 @@ class WgmmaConfig:
     give); ``ws`` the warp-specialized kernel
     (``kernels.gemm_ws``: a decode warpgroup writes the bf16 weight tile to shared memory for the
     ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus ``WS_A_STAGES`` decoded tiles);
-    ``persistent`` (plain linear, two warpgroups, no split-K) one program per SM computing tiles
-    one after the other through one ring (``kernels.gemm_wgmma._gemm_persistent``)."""
+    ``persistent`` (plain linear, 256-row tiles of two warpgroups, no split-K) one program per SM
+    computing tiles one after the other through one ring (``kernels.gemm_wgmma._gemm_persistent``;
+    the launcher runs a program per tile instead where K has fewer than ``stages`` - 2 chunks)."""
 
     block_m: int = 128
     stages: int = 4
@@ -643,9 +649,11 @@ class WgmmaConfig:
         if self.ws and (self.warps, self.repeats, self.tail_m) != (8, 1, 0):
             raise ValueError(f"WgmmaConfig.ws: the warp-specialized kernel has 8 MMA warps of one repeat and no "
                              f"tail tiles, got warps={self.warps} repeats={self.repeats} tail_m={self.tail_m}")
-        if self.persistent and (self.warps != 8 or self.split_k > 1 or self.tail_m or self.ws):
-            raise ValueError(f"WgmmaConfig.persistent: one program of two warpgroups per SM (warps=8), without "
-                             f"split_k, tail_m or ws, got {self}")
+        if self.persistent and ((self.block_m, self.warps, self.repeats) != (256, 8, 1) or self.split_k > 1
+                                or self.tail_m or self.ws):
+            raise ValueError(f"WgmmaConfig.persistent: 256-row tiles of two warpgroups of one repeat (one program "
+                             f"per SM; shorter tiles fit two programs per SM, which one persistent program would "
+                             f"halve), without split_k, tail_m or ws, got {self}")
         if self.ws and self.stages <= WS_A_STAGES:
             raise ValueError(f"WgmmaConfig.stages: the warp-specialized kernel's TMA ring must be deeper than its "
                              f"{WS_A_STAGES} decoded tiles (the copies' lead is the difference), got {self.stages}")
@@ -729,7 +737,8 @@ def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaCon
         return waves * _WGMMA_TILE_COST[bm], -bm
 
     block_m = min(_WGMMA_TILE_COST, key=cost)
-    return WgmmaConfig(block_m=block_m, stages=4, group_m=8, warps=8, repeats=1, persistent=block_m == 256)
+    return WgmmaConfig(block_m=block_m, stages=4, group_m=8, warps=8, repeats=1,
+                       persistent=block_m == 256 and -(-K // KCHUNK) >= 4 - 2)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
@@ -836,10 +845,10 @@ def _decode_consts(fmt: FP4Format | str) -> dict:
     return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx))
 
 
-def _epilogue_signature(out_type: str) -> dict[str, str]:
+def _epilogue_signature(out_type: str, bias_type: str = "*bf16") -> dict[str, str]:
     """Signature types of the wgmma kernels' arguments from ``wg_ptr`` on (the epilogue's, the
     dispatch plan's and the sizes), shared by both kernels."""
-    return {"wg_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": out_type, "tile_expert_ptr": "*i32",
+    return {"wg_ptr": "*fp32", "bias_ptr": bias_type, "out_ptr": out_type, "tile_expert_ptr": "*i32",
             "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "row_out_ptr": "*i32", "row_w_ptr": "*fp32",
             "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "stride_ge": "i32", "stride_be": "i32",
             "n_tiles_m": "i32"}
@@ -858,12 +867,16 @@ def _x_desc_type(block_m: int) -> str:
 
 
 def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *, gemm: str = "linear",
-                          has_bias: bool = False, wg_mode: int | None = None):
+                          has_bias: bool = False, wg_mode: int | None = None, out_dtype: str = "bf16",
+                          out_mma_order: bool | None = None):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the wgmma kernel as the
     launchers call it: ``gemm`` "linear" (plain), "gemm1" (MoE GEMM 1: gather pass, SwiGLU, h in
     MMA order) or "gemm2" (MoE GEMM 2: routing weight, scatter to bf16 pair rows); with ``config.ws`` the
     warp-specialized kernel (plain linear only), register cap included. ``wg_mode``: global scales
-    (default: one per weight for an NVFP4 linear, per expert for NVFP4 MoE, none for MXFP4)."""
+    (default: one per weight for an NVFP4 linear, per expert for NVFP4 MoE, none for MXFP4).
+    ``out_dtype`` ("bf16" or "fp16"): the plain linear's output and bias, or GEMM 1's h (emulated
+    W4A4 keeps x's dtype there); ``out_mma_order``: GEMM 1 writes h in GEMM 2's MMA K order (the
+    default; emulated W4A4 writes it in K order for its re-quantization)."""
     from ..plan.crosscompile import CompileRequest
 
     if gemm not in ("linear", "gemm1", "gemm2"):
@@ -875,6 +888,13 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config} for the plain linear")
     if gemm != "linear" and config.persistent:
         raise ValueError(f"config: persistent is for the plain linear, got {config} for {gemm}")
+    if out_dtype not in ("bf16", "fp16") or (out_dtype != "bf16" and gemm == "gemm2"):
+        raise ValueError(f"out_dtype: expected 'bf16' or 'fp16' (GEMM 2 writes bf16 pair rows), got {out_dtype!r} "
+                         f"for {gemm}")
+    if out_mma_order is None:
+        out_mma_order = gemm == "gemm1"
+    elif out_mma_order and gemm != "gemm1":
+        raise ValueError(f"out_mma_order: only GEMM 1 writes its output in MMA K order, got {gemm}")
     common = dict(BLOCK_M=config.block_m, WARPS=config.warps, STAGES=config.stages, WG_MODE=wg_mode,
                   HAS_BIAS=has_bias, GROUPED=gemm != "linear", SCATTER=gemm == "gemm2", HAS_RW=gemm == "gemm2",
                   GROUP_M=config.group_m if gemm == "linear" else 1, **consts)
@@ -884,7 +904,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
         if gemm != "linear":
             raise ValueError(f"config: the warp-specialized kernel runs the plain linear only, got gemm={gemm!r}")
         signature = {"w_desc": w_type, "s_desc": _s_desc_type(w_rows, fmt), "x_desc": _x_desc_type(config.block_m),
-                     **_epilogue_signature("*bf16")}
+                     **_epilogue_signature(f"*{out_dtype}", f"*{out_dtype}")}
         return CompileRequest(kernel="fp4moe.kernels.gemm_ws:fp4_gemm_ws_kernel", signature=signature,
                               constexprs=dict(common, A_STAGES=WS_A_STAGES, DECODE_REGS=WS_DECODE_REGS), cc=cc,
                               num_warps=config.warps, divisible_by_16=("out_ptr", "N", "K", "stride_om"),
@@ -895,10 +915,11 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
         common["HAS_BIAS"] = False  # the reduction adds it
     signature = {"w_desc": w_type, "s_desc": _s_desc_type(w_rows, fmt), "x_desc": _x_desc_type(config.block_m),
                  "x_tail_desc": _x_desc_type(config.tail_m or config.block_m),
-                 **_epilogue_signature("*fp32" if config.split_k > 1 else "*bf16"),
+                 **_epilogue_signature("*fp32" if config.split_k > 1 else f"*{out_dtype}",
+                                       f"*{out_dtype}" if gemm == "linear" else "*bf16"),
                  "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
-                      OUT_MMA_ORDER=gemm == "gemm1", TAIL_M=config.tail_m, PERSISTENT=config.persistent)
+                      OUT_MMA_ORDER=out_mma_order, TAIL_M=config.tail_m, PERSISTENT=config.persistent)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("out_ptr", "N", "K", "stride_om"))
@@ -942,18 +963,22 @@ def wgmma_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[st
 
 
 def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | None, out: torch.Tensor,
-                        config: WgmmaConfig = WgmmaConfig(), *, x_mma_order: bool = False) -> torch.Tensor:
+                        config: WgmmaConfig = WgmmaConfig(), *, x_mma_order: bool = False,
+                        max_programs: int | None = None) -> torch.Tensor:
     """``out[M, N] = x2[M, K] @ W^T (+ bias)`` on SM90 (wgmma; compiled CUDA only): two launches,
     the pass into MMA K order (``mma_order_rows``) and the GEMM, and with ``config.split_k`` a third,
     the reduction of the fp32 partials (bias and cast there). ``x_mma_order``: x2 already is
     [M, K stored] in MMA K order, contiguous (``ops.quantize.dequantize_activations(k_stored=...)``),
-    and the first pass is skipped."""
+    and the first pass is skipped. ``max_programs``: a persistent configuration's grid (default one
+    program per SM; the tests use fewer to give each program many tiles)."""
     import triton
 
     from ..kernels.gemm_wgmma import fp4_gemm_wgmma_kernel
 
     if config.tail_m:
         raise ValueError(f"config: tail_m is for the MoE GEMMs, got {config}")
+    if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
+        raise ValueError(f"max_programs: expected a positive int or None, got {max_programs!r}")
     M, N = x2.shape[0], p.shape[0]
     k_stored = p.words.shape[1] * KCHUNK
     if M == 0:
@@ -976,7 +1001,8 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     grid = (tiles_m * triton.cdiv(N, config.block_n), split)
     if config.persistent and k_stored // KCHUNK >= config.stages - 2:  # a refill reaches into the next tile at most
         # one program of two warpgroups per SM (registers), each over its share of the tiles
-        grid = (min(grid[0], torch.cuda.get_device_properties(out.device).multi_processor_count), 1)
+        programs = max_programs or torch.cuda.get_device_properties(out.device).multi_processor_count
+        grid = (min(grid[0], programs), 1)
     elif config.persistent:
         config = replace(config, persistent=False)
     if config.ws:

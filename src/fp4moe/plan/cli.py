@@ -78,15 +78,15 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                 problem = moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt, mode=mode, arch=target)
                 kernel = _moe_kernel(model, problem, target)
                 if kernel != "fp4_moe_gemm":  # both GEMMs run on one plan: pin the runtime's tile height
-                    # (emulated W4A4 runs them as W4A16 on its dequantized activations, ops.moe._w4a4_activations)
-                    problem = dataclasses.replace(problem, block_m=None, mode="w4a16")
+                    # (emulated W4A4 runs the packed kernels on its dequantized activations,
+                    # ops.moe._w4a4_activations: their specs plan it as such)
+                    problem = dataclasses.replace(problem, block_m=None)
                     problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
                 items.append((kernel, problem))
             else:
                 kernel = _linear_kernel(op.M, op.N, op.K, mode, target)
-                # emulated W4A4 on a packed kernel runs W4A16 on x dequantized to bf16 (ops.linear._launch_packed)
-                items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt,
-                                                    mode="w4a16" if kernel != "fp4_linear" else mode)))
+                # emulated W4A4 on a packed kernel: x dequantized to bf16 (ops.linear._launch_packed)
+                items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
         if mode == "w4a4":  # the activation quantizer runs once per token before the experts
             entries.append((t, "quantize x (NVFP4)", None))
             items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))

@@ -416,17 +416,33 @@ class LinearSpec(KernelSpec[LinearProblem, Any]):
 
 
 class _PackedSpec:
-    """What the specs of the kernels on weights in MMA operand order (``ops.mma_layout``) share: bf16
-    W4A16 only, ``_limit`` for the problems the runtime sends them (``_check_problem_size``)."""
+    """What the specs of the kernels on weights in MMA operand order (``ops.mma_layout``) share: W4A16
+    with bf16 activations, or emulated W4A4 (bf16 or fp16 activations, on GPUs without FP4 MMA:
+    ``ops.linear.runs_packed``), which runs the same kernels on its activations dequantized to bf16
+    and keeps x's dtype for what the kernel writes (``_out_dtype``); ``_limit`` for the problems the
+    runtime sends them (``_check_problem_size``)."""
 
     name: str
 
     def check_problem(self, problem: Any) -> Any:
         problem = super().check_problem(problem)  # type: ignore[misc]
-        if problem.mode != "w4a16" or problem.x_dtype != "bf16":
-            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.mode} with {problem.x_dtype}")
+        if problem.mode == "w4a16" and problem.x_dtype != "bf16":
+            raise ValueError(f"{self.name}: runs W4A16 with bf16 activations, got {problem.x_dtype}")
         self._check_problem_size(problem)
         return problem
+
+    def _check_mode(self, problem: Any, arch: Arch) -> None:
+        """W4A4 runs here only where it is emulated (no FP4 MMA); elsewhere on native FP4 MMA."""
+        from ..ops.linear import runs_packed
+
+        if problem.mode == "w4a4" and not runs_packed("w4a4", arch):
+            raise ValueError(f"{self.name}: {arch.name} has native FP4 MMA ({arch.fp4_mma}); its W4A4 runs the "
+                             "Triton kernels (fp4_linear, fp4_moe_gemm)")
+
+    @staticmethod
+    def _out_dtype(problem: Any) -> str:
+        """What the kernel writes: bf16 for W4A16; x's dtype for emulated W4A4."""
+        return "bf16" if problem.mode == "w4a16" else problem.x_dtype
 
     def _check_problem_size(self, problem: Any) -> None:
         pass
@@ -443,7 +459,7 @@ class _MmaSpec(_PackedSpec):
         return MMAConfig
 
     def variant(self, problem: Any, arch: Arch) -> str:
-        return "w4a16_mma"
+        return "w4a16_mma" if problem.mode == "w4a16" else "w4a4_emulated_mma"
 
     def smem_model(self, config, problem: Any, arch: Arch) -> SmemBreakdown:
         from ..ops.mma_layout import KCHUNK, _fit_kw, _split
@@ -477,7 +493,7 @@ class _WgmmaSpec(_PackedSpec):
         return WgmmaConfig
 
     def variant(self, problem: Any, arch: Arch) -> str:
-        return "w4a16_wgmma"
+        return "w4a16_wgmma" if problem.mode == "w4a16" else "w4a4_emulated_wgmma"
 
     def _check_arch(self, arch: Arch) -> None:
         if arch.bf16_mma != "wgmma":
@@ -537,6 +553,7 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         from ..ops.mma_layout import choose_mma_config
 
         self.check_problem(problem)
+        self._check_mode(problem, arch)
         gpu = default_gpu(arch)
         return choose_mma_config(problem.M, problem.N, problem.K, sm_count or gpu.sm_count, fmt=problem.fmt,
                                  arch=arch, l2_bytes=int(gpu.l2_mib * 2**20))
@@ -544,7 +561,9 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
 
-        return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, has_bias=problem.has_bias)
+        self._check_mode(problem, arch)
+        return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, has_bias=problem.has_bias,
+                                   out_dtype=self._out_dtype(problem))
 
     def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
@@ -587,13 +606,15 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
 
     def candidates(self, problem: LinearProblem, arch: Arch) -> list:
         """64- and 128-row activation tiles with one or two warpgroups of two register repeats, and
-        64- to 256-row tiles with two warpgroups of one repeat; rings of 3 to 6 stages. Small
+        64- to 256-row tiles with two warpgroups of one repeat (the 256-row ones persistent, as the
+        runtime runs them); rings of 3 to 6 stages. Small
         batches (M <= ``WGMMA_SPLIT_MAX_M``): also the one 16- to 64-row tile that holds every row (the
         H200 sweep measured no gain from several shorter ones), K split 1 to 8 ways."""
         from ..ops.mma_layout import WGMMA_SPLIT_MAX_M, WgmmaConfig
 
         self.check_problem(problem)
         self._check_arch(arch)
+        self._check_mode(problem, arch)
         small = []
         if problem.M <= WGMMA_SPLIT_MAX_M:
             m = min(64, max(16, 1 << (problem.M - 1).bit_length()))
@@ -601,20 +622,24 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
                      for k in (1, 2, 3, 4, 6, 8)]
         return small + [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8)
                         for s in (3, 4, 5, 6)] \
-            + [WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1) for m in (64, 128, 256) for s in (3, 4, 5, 6)]
+            + [WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1, persistent=m == 256) for m in (64, 128, 256)
+               for s in (3, 4, 5, 6)]
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
         from ..ops.mma_layout import choose_wgmma_config
 
         self.check_problem(problem)
         self._check_arch(arch)
+        self._check_mode(problem, arch)
         return choose_wgmma_config(problem.M, problem.N, problem.K, sm_count or 132)
 
     def compile_request(self, config, problem: LinearProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import wgmma_compile_request
 
+        self._check_mode(problem, arch)
         return wgmma_compile_request(config, problem.fmt, arch.sm_version, has_bias=problem.has_bias,
-                                     wg_mode=1 if get_format(problem.fmt).has_global_scale else 0)
+                                     wg_mode=1 if get_format(problem.fmt).has_global_scale else 0,
+                                     out_dtype=self._out_dtype(problem))
 
     def model_time(self, config, problem: LinearProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
@@ -635,6 +660,8 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
         smem = self.smem_model(config, problem, gpu.arch).total
         ctas = gpu.arch.ctas_per_sm(32 * config.warps, registers=registers, smem_bytes=smem)
         notes = ["activations re-ordered into MMA K order by a separate pass"]
+        if config.persistent:  # the same tiles per SM; the per-tile start-up is not modelled either way
+            notes.append("persistent: one program per SM over its tiles")
         extra = SECOND_KERNEL_US
         if split > 1:
             extra += (2 * split * M * N * 4 + y_once) / _bandwidth(gpu) + SECOND_KERNEL_US
@@ -1130,6 +1157,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         from ..ops.mma_layout import MMAConfig
 
         self.check_problem(problem)
+        self._check_mode(problem, arch)
         block_ms = (problem.block_m,) if problem.block_m in (8, 16) else (8, 16)
         return [MMAConfig(rb=rb, warps=4, kh=kh, block_m=bm, split_k=1) for bm in block_ms for rb in (1, 2)
                 for kh in (1, 2, 4)]
@@ -1138,6 +1166,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         from ..ops.moe import mma_moe_config
 
         self.check_problem(problem)
+        self._check_mode(problem, arch)
         cfg = mma_moe_config(problem.pairs / problem.E)
         if problem.block_m in (8, 16) and cfg.block_m != problem.block_m:
             cfg = dataclasses.replace(cfg, block_m=problem.block_m)
@@ -1148,10 +1177,11 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
         # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
+        self._check_mode(problem, arch)
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
                                    gather=problem.gemm == 1, plan_ready=problem.gemm == 2,
                                    swiglu=self._fused(config, problem, default_gpu(arch).sm_count),
-                                   wg_mode=1 if problem.fmt == "nvfp4" else 0)
+                                   wg_mode=1 if problem.fmt == "nvfp4" else 0, out_dtype=self._out_dtype(problem))
 
     @staticmethod
     def _fused(config, problem: MoEGemmProblem, sm_count: int) -> bool:
@@ -1227,6 +1257,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
         self.check_problem(problem)
         self._check_arch(arch)
+        self._check_mode(problem, arch)
         return [WgmmaConfig(block_m=m, stages=s, warps=w) for m in self._block_ms(problem) for w in (4, 8)
                 for s in (3, 4, 5, 6)]
 
@@ -1235,6 +1266,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
         self.check_problem(problem)
         self._check_arch(arch)
+        self._check_mode(problem, arch)
         cfg = wgmma_moe_config(problem.pairs / problem.E)
         if problem.gemm == 2:
             cfg = wgmma_gemm2_config(cfg)
@@ -1246,8 +1278,14 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import wgmma_compile_request
 
+        self._check_mode(problem, arch)
+        # emulated W4A4 (``ops.moe._run_wgmma`` with its re-quantization): GEMM 1 writes h in K order
+        # and in x's dtype; the dequantize kernel then puts it into GEMM 2's MMA K order
+        gemm1 = problem.gemm == 1
         return wgmma_compile_request(config, problem.fmt, arch.sm_version, gemm=f"gemm{problem.gemm}",
-                                     wg_mode=1 if get_format(problem.fmt).has_global_scale else 0)
+                                     wg_mode=1 if get_format(problem.fmt).has_global_scale else 0,
+                                     out_dtype=self._out_dtype(problem) if gemm1 else "bf16",
+                                     out_mma_order=gemm1 and problem.mode == "w4a16")
 
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
