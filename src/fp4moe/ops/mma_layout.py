@@ -736,9 +736,9 @@ def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaCon
         waves = -(-(-(-M // bm) * tiles_n) // max(sm_count, 1))
         return waves * _WGMMA_TILE_COST[bm], -bm
 
-    block_m = min(_WGMMA_TILE_COST, key=cost)
-    return WgmmaConfig(block_m=block_m, stages=4, group_m=8, warps=8, repeats=1,
-                       persistent=block_m == 256 and -(-K // KCHUNK) >= 4 - 2)
+    block_m, stages = min(_WGMMA_TILE_COST, key=cost), 4
+    return WgmmaConfig(block_m=block_m, stages=stages, group_m=8, warps=8, repeats=1,
+                       persistent=block_m == 256 and -(-K // KCHUNK) >= stages - 2)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
