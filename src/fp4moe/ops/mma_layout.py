@@ -736,9 +736,19 @@ def choose_wgmma_config(M: int, N: int, K: int, sm_count: int = 132) -> WgmmaCon
         waves = -(-(-(-M // bm) * tiles_n) // max(sm_count, 1))
         return waves * _WGMMA_TILE_COST[bm], -bm
 
-    block_m, stages = min(_WGMMA_TILE_COST, key=cost), 4
-    return WgmmaConfig(block_m=block_m, stages=stages, group_m=8, warps=8, repeats=1,
-                       persistent=block_m == 256 and -(-K // KCHUNK) >= stages - 2)
+    return persistent_where_possible(WgmmaConfig(block_m=min(_WGMMA_TILE_COST, key=cost), stages=4, group_m=8,
+                                                 warps=8, repeats=1), K)
+
+
+def persistent_where_possible(config: WgmmaConfig, K: int) -> WgmmaConfig:
+    """``config`` as the plain linear runs it on a weight of K columns: 256-row tiles of two
+    warpgroups of one repeat run persistent where K has at least ``stages`` - 2 chunks (a ring
+    refill then reaches at most into the next tile, what ``_gemm_persistent`` assumes), every other
+    configuration a program per tile. The heuristic, the launcher and the planner's candidates
+    all ask here."""
+    can = (config.block_m, config.warps, config.repeats, config.split_k, config.tail_m, config.ws) == (256, 8, 1, 1, 0,
+                                                                                                       False)
+    return replace(config, persistent=can and -(-K // KCHUNK) >= config.stages - 2)
 
 
 def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
@@ -999,12 +1009,11 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
                   HAS_BIAS=fused_bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False,
                   GROUP_M=config.group_m, WARPS=config.warps, **_decode_consts(p.fmt))
     grid = (tiles_m * triton.cdiv(N, config.block_n), split)
-    if config.persistent and k_stored // KCHUNK >= config.stages - 2:  # a refill reaches into the next tile at most
-        # one program of two warpgroups per SM (registers), each over its share of the tiles
+    if config.persistent:
+        config = persistent_where_possible(config, k_stored)
+    if config.persistent:  # one program of two warpgroups per SM (registers), each over its share of the tiles
         programs = max_programs or torch.cuda.get_device_properties(out.device).multi_processor_count
         grid = (min(grid[0], programs), 1)
-    elif config.persistent:
-        config = replace(config, persistent=False)
     if config.ws:
         from ..kernels.gemm_ws import fp4_gemm_ws_kernel
 

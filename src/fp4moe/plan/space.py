@@ -610,12 +610,11 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
         has stages - 2 chunks or more, as the launcher runs them); rings of 3 to 6 stages. Small
         batches (M <= ``WGMMA_SPLIT_MAX_M``): also the one 16- to 64-row tile that holds every row (the
         H200 sweep measured no gain from several shorter ones), K split 1 to 8 ways."""
-        from ..ops.mma_layout import KCHUNK, WGMMA_SPLIT_MAX_M, WgmmaConfig
+        from ..ops.mma_layout import WGMMA_SPLIT_MAX_M, WgmmaConfig, persistent_where_possible
 
         self.check_problem(problem)
         self._check_arch(arch)
         self._check_mode(problem, arch)
-        chunks = _cdiv(problem.K, KCHUNK)  # persistent where the launcher runs it so (a refill reaches one tile on)
         small = []
         if problem.M <= WGMMA_SPLIT_MAX_M:
             m = min(64, max(16, 1 << (problem.M - 1).bit_length()))
@@ -623,7 +622,7 @@ class WgmmaLinearSpec(_WgmmaSpec, KernelSpec[LinearProblem, Any]):
                      for k in (1, 2, 3, 4, 6, 8)]
         return small + [WgmmaConfig(block_m=m, stages=s, warps=w) for m in (64, 128) for w in (4, 8)
                         for s in (3, 4, 5, 6)] \
-            + [WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1, persistent=m == 256 and chunks >= s - 2)
+            + [persistent_where_possible(WgmmaConfig(block_m=m, stages=s, warps=8, repeats=1), problem.K)
                for m in (64, 128, 256) for s in (3, 4, 5, 6)]
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
