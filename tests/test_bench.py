@@ -193,6 +193,20 @@ def test_cli_without_gpu(monkeypatch):
     assert NO_GPU in result.output
 
 
+def test_clock_monitor_without_nvml_is_empty(monkeypatch):
+    """Without NVML (this CPU machine, or no pynvml) the monitor is a no-op context, not an error."""
+    import sys
+
+    from fp4moe.bench.timing import ClockMonitor, time_cuda_graphs
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    with ClockMonitor() as monitor:
+        pass
+    assert monitor.summary() == {}
+    with pytest.raises(ValueError, match="at least one"):
+        time_cuda_graphs({})
+
+
 # ------------------------------------------------------------------------------------------
 # on a GPU
 
@@ -209,6 +223,24 @@ def test_time_cuda_graph_and_ceilings():
     torch.randn(4, device="cuda")  # the default generator is usable after a failed capture
     assert measure_copy_bandwidth(2**26) > 50
     assert measure_bf16_peak(1024) > 1
+
+
+@pytest.mark.gpu
+def test_time_cuda_graphs_interleaves_and_keeps_each_time():
+    """Each function keeps its own time (a 4x larger product takes longer), a function that cannot
+    be captured is timed eagerly beside captured ones, and the clock monitor reports where NVML is."""
+    from fp4moe.bench.timing import ClockMonitor, time_cuda_graphs
+
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(2048, 2048, device="cuda")
+    with ClockMonitor(period_s=0.001) as monitor:
+        r = time_cuda_graphs({"small": lambda: a @ a, "large": lambda: b @ b, "eager": lambda: a.sum().item()},
+                             iters_per_graph=4, reps=6)
+    assert set(r) == {"small", "large", "eager"} and all(t.n == 6 for t in r.values())
+    assert r["small"].graph and r["large"].graph and not r["eager"].graph
+    assert r["large"].median_us > r["small"].median_us
+    summary = monitor.summary()
+    if summary:  # pynvml present
+        assert summary["sm_mhz"] > 0 and summary["power_w"] > 0 and 0 <= summary["power_capped"] <= 1
 
 
 @pytest.mark.gpu
@@ -242,3 +274,19 @@ def test_random_experts_are_the_seeded_stacked_weights():
     for got, ref in ((w13, ref13), (w2, ref2)):
         assert torch.equal(got.data, ref.data) and torch.equal(got.scales, ref.scales)
         assert torch.equal(got.global_scale, ref.global_scale) and got.global_scale.numel() == E
+
+
+@pytest.mark.gpu
+def test_run_moe_bench_small():
+    """The MoE bench on Qwen3-30B-A3B's small experts: the layer and the grouped_mm baseline timed
+    together, exact routing and OEA, every row a time or an error."""
+    from fp4moe.bench.moe import run_moe_bench
+
+    ceilings = {"copy_gbs": 1000.0, "bf16_tflops": 100.0, "l2_bytes": 2**20, "fp4_tflops_datasheet": None}
+    rows = run_moe_bench("qwen3-30b-a3b", ms=[4], routings=("uniform",), oea_ms=(8,), ceilings=ceilings)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["us"] is not None and not row["error"], row
+    exact = [r for r in rows if r["oea_k0"] is None]
+    assert all(r["torch_us"] and r["speedup"] for r in exact)  # timed beside the layer
+    assert all(r["torch_us"] is None for r in rows if r["oea_k0"] is not None)

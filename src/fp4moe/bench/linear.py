@@ -2,14 +2,16 @@
 
 One row per (shape, M, mode). Weights rotate through enough copies to exceed 4 x L2 (see
 ``timing``), so small-M rows measure HBM streaming, not L2 hits; x stays put, as the previous
-layer's output would. Every time comes from ``timing.time_cuda_graph``; every ratio from
-``roofline``. A failing row records ``"error: ..."`` and the run goes on.
+layer's output would. Every time comes from ``timing``: the modes of one (shape, M) and the torch
+baseline with their replays interleaved (``time_cuda_graphs``), so all run under the same clocks,
+which NVML records where it is available (``sm_mhz``, ``power_w``, ``power_capped``: sustained
+prefill on an H200 runs at its 700 W cap); every ratio from ``roofline``. A failing row records ``"error: ..."`` and the run goes on.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +20,8 @@ from rich.console import Console
 from ..formats import FP4Format, get_format
 from . import roofline as rl
 from .report import one_line
-from .timing import TimingResult, l2_bytes, measure_ceilings, rotating, rotation_count, time_cuda_graph
+from .timing import (ClockMonitor, TimingResult, l2_bytes, measure_ceilings, rotating, rotation_count, time_cuda_graph,
+                     time_cuda_graphs)
 
 __all__ = [
     "GLM5_SHAPES",
@@ -110,7 +113,7 @@ def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None, 
 
 def _linear_row(shape: str, M: int, mode: str, fmt: str) -> dict[str, Any]:
     keys = ("us", "p10_us", "p90_us", "torch_us", "speedup", "weight_gbs", "tflops", "frac_weight_bound",
-            "frac_roofline", "graph", "config", "error")
+            "frac_roofline", "sm_mhz", "power_w", "power_capped", "graph", "config", "error")
     return {"kind": "linear", "shape": shape, "M": M, "mode": mode, "fmt": fmt, **dict.fromkeys(keys)}
 
 
@@ -148,7 +151,8 @@ def run_linear_bench(
     Weights are random bf16 [N, K] quantized with ``fp4moe.quantize(w, fmt)`` on the GPU; W4A4
     with NVFP4 gets a static ``input_global_scale`` (amax(x) / (6 * 448)) as calibrated
     checkpoints carry. The torch baseline is skipped (None) when it would not fit in memory.
-    ``budget_ms`` bounds each timing's replays (see ``time_cuda_graph``). ``ceilings`` defaults
+    ``budget_ms`` bounds the replays of the slowest of each (shape, M)'s calls, which are timed
+    interleaved (see ``time_cuda_graphs``). ``ceilings`` defaults
     to :func:`bench_ceilings`, measured now. Progress goes to ``console`` (a new rich Console).
     """
     import torch
@@ -185,41 +189,90 @@ def run_linear_bench(
         bf16_sets = _bf16_sets(w, l2) if torch_baseline else []
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=gen)
-            torch_us = _time_torch(x, bf16_sets, N, reps, iters_per_graph, budget_ms)
+            m_rows = {mode: _linear_row(shape, M, mode, fmt) for mode in modes}
+            calls: dict[str, Any] = {}
             for mode in modes:
-                row = {**_linear_row(shape, M, mode, fmt), "torch_us": torch_us}
                 try:
-                    timing = _timing_kwargs(reps, iters_per_graph, budget_ms, len(fp4_sets))
-                    t = _time_fp4(x, fp4_sets, mode, fmt, timing)
-                    row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
-                               config=_config(M, N, K, mode, chip, sm_count, fmt, l2))
-                    row.update(linear_metrics(M, N, K, fmt, mode, t.median_us, ceilings, torch_us))
+                    calls[mode] = _fp4_timed_call(x, fp4_sets, mode, fmt)
                 except Exception as err:
-                    row["error"] = _error(err)
+                    m_rows[mode]["error"] = _error(err)
                     torch.cuda.empty_cache()
+            torch_call = _torch_timed_call(x, bf16_sets, N) if torch_baseline else None
+            if torch_call is not None:
+                calls["torch"] = torch_call
+            timing = _timing_kwargs(reps, iters_per_graph, budget_ms, max(len(fp4_sets), len(bf16_sets)))
+            times, clocks = _time_together(calls, timing)
+            torch_t = times.get("torch")
+            torch_us = torch_t.median_us if isinstance(torch_t, TimingResult) else None
+            for mode in modes:
+                row = m_rows[mode]
+                row["torch_us"] = torch_us
+                t = times.get(mode)
+                if isinstance(t, BaseException):
+                    row["error"] = _error(t)
+                elif t is not None:
+                    row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
+                               config=_config(M, N, K, mode, chip, sm_count, fmt, l2), **clocks)
+                    row.update(linear_metrics(M, N, K, fmt, mode, t.median_us, ceilings, torch_us))
                 rows.append(row)
                 _progress(console, row)
-            del x
+            del x, calls
         del w, fp4_sets, bf16_sets
         torch.cuda.empty_cache()
     return rows
 
 
-def _time_fp4(x: Any, fp4_sets: Sequence[tuple[Any]], mode: str, fmt: str, timing: Mapping[str, Any]) -> TimingResult:
+def _fp4_timed_call(x: Any, fp4_sets: Sequence[tuple[Any]], mode: str, fmt: str) -> Callable[[], Any]:
+    """The rotating ``fp4_linear`` call to time, after launching it once on every weight set: a
+    served model's weights have all run before a graph is captured (a pack's first launch waits
+    for the kernel before it, PDL = 1, ``ops.mma_layout._launch_kw``; later ones do not), and a
+    guard failure surfaces here, as this mode's error."""
     from ..ops.linear import fp4_linear  # written in parallel: imported when used
     from ..quantize import nvfp4_global_scale
 
     gs = nvfp4_global_scale(x.abs().amax()) if mode == "w4a4" and fmt == "nvfp4" else None
     call = functools.partial(_fp4_call, fp4_linear, x, mode=mode, input_global_scale=gs)
-    # every weight launched once before the graph is captured, as a served model's are: a pack's first
-    # launch waits for the kernel before it (PDL = 1, ``ops.mma_layout._launch_kw``), later ones do not
     for s in fp4_sets:
         call(*s)
-    return time_cuda_graph(rotating(call, fp4_sets), **timing)
+    return rotating(call, fp4_sets)
 
 
 def _fp4_call(fp4_linear: Any, x: Any, w: Any, *, mode: str, input_global_scale: Any) -> Any:
     return fp4_linear(x, w, mode=mode, input_global_scale=input_global_scale)
+
+
+def _torch_timed_call(x: Any, sets: Sequence[tuple[Any]], N: int) -> Callable[[], Any] | None:
+    """The rotating ``torch.matmul(x, w_bf16.t())``; None when skipped: no weight copies fit, or
+    its output would take more than half the free memory."""
+    import torch
+
+    if not sets or x.shape[0] * N * 2 > torch.cuda.mem_get_info()[0] // 2:
+        return None
+    return rotating(lambda w: torch.matmul(x, w.t()), sets)
+
+
+def _time_together(calls: Mapping[str, Callable[[], Any]], timing: Mapping[str, Any],
+                   ) -> tuple[dict[str, TimingResult | BaseException], dict[str, float]]:
+    """Every call timed with its replays interleaved (``time_cuda_graphs``: the same clocks for the
+    FP4 modes and the torch baseline), plus the clocks NVML saw meanwhile. Where the joint timing
+    fails, each call is timed alone, so one failing call costs only its own row."""
+    import torch
+
+    if not calls:
+        return {}, {}
+    with ClockMonitor() as monitor:
+        try:
+            times: dict[str, TimingResult | BaseException] = dict(time_cuda_graphs(calls, **timing))
+        except Exception:
+            torch.cuda.empty_cache()
+            times = {}
+            for name, call in calls.items():
+                try:
+                    times[name] = time_cuda_graph(call, **timing)
+                except Exception as err:  # the torch baseline is context: its failure leaves torch_us None
+                    times[name] = err
+                    torch.cuda.empty_cache()
+    return times, monitor.summary()
 
 
 def _bf16_sets(w: Any, l2: int) -> list[tuple[Any]]:
@@ -235,22 +288,6 @@ def _bf16_sets(w: Any, l2: int) -> list[tuple[Any]]:
     except torch.cuda.OutOfMemoryError:
         torch.cuda.empty_cache()
         return []
-
-
-def _time_torch(x: Any, sets: Sequence[tuple[Any]], N: int, reps: int, iters: int,
-                budget_ms: float | None) -> float | None:
-    """Median µs of ``torch.matmul(x, w_bf16.t())``; None when skipped or failing (memory)."""
-    import torch
-
-    if not sets or x.shape[0] * N * 2 > torch.cuda.mem_get_info()[0] // 2:
-        return None
-    try:
-        t = time_cuda_graph(rotating(lambda w: torch.matmul(x, w.t()), sets),
-                            **_timing_kwargs(reps, iters, budget_ms, len(sets)))
-    except Exception:  # the baseline is context, not the subject: its row still gets the fp4 time
-        torch.cuda.empty_cache()
-        return None
-    return t.median_us
 
 
 def run_quantize_bench(

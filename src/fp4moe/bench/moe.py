@@ -5,7 +5,9 @@ importable: the whole layer from router logits) or the experts alone (dispatch -
 GEMM 2 -> combine), recorded in the ``scope`` column. The bound is the FP4 weight-read bound of
 the experts the batch touches: unique experts x 3 x I x H x bytes-per-element / copy bandwidth.
 The torch row is what REFERENCE.md measured: both GEMMs through ``torch._grouped_mm`` on bf16
-weights, with the SwiGLU between them, tokens already sorted by expert.
+weights, with the SwiGLU between them, tokens already sorted by expert; its replays interleave
+with the FP4 layer's (``timing.time_cuda_graphs``), so both run under the same clocks, which NVML
+records where it is available (``sm_mhz``, ``power_w``, ``power_capped``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rich.console import Console
 
 from ..formats import get_format
 from .report import one_line
-from .timing import rotating, time_cuda_graph
+from .timing import ClockMonitor, rotating, time_cuda_graphs
 
 __all__ = ["DEFAULT_MS", "OEA_MS", "moe_bound_us", "run_moe_bench"]
 
@@ -100,7 +102,8 @@ def run_moe_bench(
         row: dict[str, Any] = {"kind": "moe", "model": model, "tp": tp, "M": M, "routing": routing, "mode": mode,
                                "oea_k0": k0, "scope": None, "us": None, "unique_experts": None, "bound_us": None,
                                "frac_weight_bound": None, "tflops": None, "torch_us": None, "speedup": None,
-                               "kept_weight": None, "error": None}
+                               "kept_weight": None, "sm_mhz": None, "power_w": None, "power_capped": None,
+                               "error": None}
         try:
             x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             if route is not None:
@@ -128,18 +131,29 @@ def run_moe_bench(
                 row["scope"] = "experts (dispatch..combine)"
             # OEA marks unfillable slots -1; the bound counts each routing's unique experts (their mean)
             unique = sum(int(torch.unique(i[i >= 0]).numel()) for i in all_ids) / len(all_ids)
-            t = time_cuda_graph(fn, iters_per_graph=10, reps=15, budget_ms=600.0)
-            bound = moe_bound_us(unique, H, I, fmt, float(ceilings["copy_gbs"]))
-            flops = 2.0 * M * k * 3 * I * H
-            row.update(us=t.median_us, unique_experts=unique, bound_us=bound, frac_weight_bound=bound / t.median_us,
-                       tflops=flops / (t.median_us * 1e6))
+            calls = {"fp4": fn}
             if torch_baseline and k0 is None:
                 flat = ids.reshape(-1).long()
                 order = torch.sort(flat, stable=True).indices
                 x_sorted = x[order // k]
                 offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-                tt = time_cuda_graph(lambda: _grouped_mm_layer(x_sorted, w13t, w2t, offs, I), iters_per_graph=5,
-                                     reps=10, budget_ms=600.0)
+                calls["torch"] = lambda: _grouped_mm_layer(x_sorted, w13t, w2t, offs, I)
+            # replays interleaved: the baseline under the same clocks (timing.time_cuda_graphs)
+            with ClockMonitor() as monitor:
+                try:
+                    times = time_cuda_graphs(calls, iters_per_graph=10, reps=15, budget_ms=600.0)
+                except Exception:  # the baseline is context: without it the layer is still timed
+                    if "torch" not in calls:
+                        raise
+                    torch.cuda.empty_cache()
+                    times = time_cuda_graphs({"fp4": fn}, iters_per_graph=10, reps=15, budget_ms=600.0)
+            t = times["fp4"]
+            bound = moe_bound_us(unique, H, I, fmt, float(ceilings["copy_gbs"]))
+            flops = 2.0 * M * k * 3 * I * H
+            row.update(us=t.median_us, unique_experts=unique, bound_us=bound, frac_weight_bound=bound / t.median_us,
+                       tflops=flops / (t.median_us * 1e6), **monitor.summary())
+            if "torch" in times:
+                tt = times["torch"]
                 row.update(torch_us=tt.median_us, speedup=tt.median_us / t.median_us)
         except Exception as err:  # a row that fails says so; the run goes on
             row["error"] = f"{type(err).__name__}: {one_line(str(err), 300)}"

@@ -18,7 +18,7 @@ each captured call reads a different set and consecutive calls never share one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,8 @@ __all__ = [
     "TimingResult",
     "summarize",
     "time_cuda_graph",
+    "time_cuda_graphs",
+    "ClockMonitor",
     "rotation_count",
     "rotating",
     "l2_bytes",
@@ -121,6 +123,127 @@ def time_cuda_graph(
     samples = [ms * 1e3 / iters_per_graph for ms in _timed(graph.replay, reps)]
     del graph
     return summarize(samples, graph=True)
+
+
+def time_cuda_graphs(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    iters_per_graph: int = 20,
+    reps: int = 30,
+    warmup: int = 3,
+    budget_ms: float | None = None,
+) -> dict[str, TimingResult]:
+    """``time_cuda_graph`` for several functions at once, their replays interleaved.
+
+    Each function gets its own graph (or eager batches where capture fails); each rep replays
+    every graph once, starting one further along each time, so every function is timed under the
+    same clocks. Timed one after the other, a sustained bf16 GEMM on an H200 meets its 700 W power
+    cap and runs at 1.4-1.5 GHz where a cold GPU ran 1.98 (session 15,
+    ``benchmarks/raw/diag-prefill-sustained-h200.json``): whichever is timed first is favoured.
+    ``budget_ms`` bounds the replays of the slowest function, as ``time_cuda_graph``'s.
+    """
+    import torch
+
+    if not fns:
+        raise ValueError("fns: expected at least one function, got none")
+    if iters_per_graph < 1 or reps < 1 or warmup < 1:
+        raise ValueError(f"expected iters_per_graph, reps, warmup >= 1, got {iters_per_graph}, {reps}, {warmup}")
+    last_ms = max(_warm_up(fn, warmup) for fn in fns.values())
+    if budget_ms is not None:
+        calls = max(1, int(budget_ms / max(last_ms, 1e-3)))
+        reps = max(min(reps, 5), min(reps, calls // iters_per_graph))
+        iters_per_graph = max(1, min(iters_per_graph, calls // reps))
+
+    runners: dict[str, Callable[[], Any]] = {}
+    graphs: dict[str, bool] = {}
+    for name, fn in fns.items():
+        def batch(fn: Callable[[], Any] = fn) -> None:
+            for _ in range(iters_per_graph):
+                fn()
+
+        try:
+            graph = _capture(batch)
+        except Exception:  # this fn cannot be captured: its batches run eagerly
+            _release_rng_after_failed_capture()
+            torch.cuda.synchronize()
+            runners[name], graphs[name] = batch, False
+            continue
+        graph.replay()  # first replay uploads the graph
+        runners[name], graphs[name] = graph.replay, True
+    names = list(runners)
+    events = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            runners[name]()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: summarize([s.elapsed_time(e) * 1e3 / iters_per_graph for s, e in events[name]], graph=graphs[name])
+            for name in names}
+
+
+class ClockMonitor:
+    """The SM clock, board power and power-cap throttling of the current GPU, sampled by NVML
+    (``pynvml``, from nvidia-ml-py, when installed) every ``period_s`` in a thread while the
+    ``with`` block runs. ``summary()``: median MHz and W and the fraction of samples throttled by
+    the software power cap, or {} where NVML is not available. Context for a timing, not part of it.
+    """
+
+    POWER_CAP = 0x4  # nvmlClocksEventReasonSwPowerCap
+
+    def __init__(self, period_s: float = 0.02) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[int, float, int]] = []
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._thread: Any = None
+        self._stop: Any = None
+
+    def __enter__(self) -> ClockMonitor:
+        import threading
+
+        try:
+            import pynvml
+            import torch
+
+            pynvml.nvmlInit()
+            uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+            self._handle = (pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid is not None
+                            else pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+            self._nvml = pynvml
+        except Exception:  # no pynvml, no driver, no GPU: no context, the timing is unaffected
+            return self
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        nv, h = self._nvml, self._handle
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        while not self._stop.is_set():
+            try:
+                self.samples.append((nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                                     nv.nvmlDeviceGetPowerUsage(h) / 1000, reasons(h)))
+            except Exception:  # a failed query loses one sample
+                pass
+            self._stop.wait(self.period_s)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+    def summary(self) -> dict[str, float]:
+        if not self.samples:
+            return {}
+        mhz = sorted(s[0] for s in self.samples)
+        watts = sorted(s[1] for s in self.samples)
+        capped = sum(1 for s in self.samples if s[2] & self.POWER_CAP)
+        return {"sm_mhz": float(_percentile(mhz, 0.5)), "power_w": round(_percentile(watts, 0.5), 1),
+                "power_capped": round(capped / len(self.samples), 3)}
 
 
 def _warm_up(fn: Callable[[], Any], calls: int) -> float:
