@@ -235,24 +235,32 @@ def test_gpu_cuda_graph_and_compile():
                                            (16, 128, "per_row")], ids=["per_expert", "one", "per_row_kernel",
                                                                        "per_row_torch"])
 def test_w4a4_chain_joins_global_scales(E, N, globals_, device):
-    """The emulated W4A4 chain (ops.moe._w4a4_activations): x_hat is dequantize(xq) without its global, and
-    the experts' globals come back multiplied by it in the shapes the epilogues read without a
-    copy, [E, 1] or [E, N], from the dequantize kernel (up to 1,024) or torch (2,048 here)."""
+    """The emulated W4A4 chain (ops.moe._w4a4_activations): x_hat is dequantize(quantize(x)) without
+    its global, in x's order (one kernel, fake_quantize_activations) or GEMM 2's MMA K order (the
+    quantizer and the dequantize kernel), and the experts' globals come back multiplied by it in the
+    shapes the epilogues read without a copy, [E, 1] or [E, N], from the kernel (up to 1,024) or
+    torch (2,048 here); dynamic and given activation scales."""
     from dataclasses import replace
 
+    from fp4moe.ops.mma_layout import mma_order_rows
     from fp4moe.ops.moe import _w4a4_activations, _weight_globals, random_moe_problem
-    from fp4moe.ops.quantize import quantize_activations
+    from fp4moe.ops.quantize import dequantize_activations, quantize_activations
 
     p = random_moe_problem(3, E, 2, 64, N // 2, "nvfp4", device=device, per_row=globals_ == "per_row")
     w = p.w13 if globals_ != "one" else replace(p.w13, global_scale=p.w13.global_scale[0, 0].clone())
-    xq = quantize_activations(p.x)
-    x_hat, w_g = _w4a4_activations(xq, w)
-    gx = xq.global_scale.float()
-    assert torch.equal((x_hat.float() * gx).cpu(), fp4moe.dequantize(xq.to("cpu"), torch.float32))
-    want = _weight_globals(w)[0] * gx
-    assert w_g.global_scale.shape == ((E, N) if globals_ == "per_row" else (E, 1))
-    assert torch.equal(_weight_globals(w_g)[0].cpu(), want.cpu())
-    assert _weight_globals(w_g)[0].data_ptr() == w_g.global_scale.data_ptr()  # read in place
+    for scale in (None, torch.tensor(0.0021, device=device)):
+        xq = quantize_activations(p.x, scale)
+        gx = xq.global_scale.float()
+        want = _weight_globals(w)[0] * gx
+        for k_stored in (None, 128):
+            x_hat, w_g = _w4a4_activations(p.x, scale, w, k_stored)
+            plain = dequantize_activations(xq)[0]  # code * block scale (exact; test_quantize_kernel)
+            assert torch.equal((plain.float() * gx).cpu(), fp4moe.dequantize(xq.to("cpu"), torch.float32))
+            expect = plain if k_stored is None else mma_order_rows(plain, k_stored)
+            assert torch.equal(x_hat.view(torch.int16), expect.view(torch.int16))
+            assert w_g.global_scale.shape == ((E, N) if globals_ == "per_row" else (E, 1))
+            assert torch.equal(_weight_globals(w_g)[0].cpu(), want.cpu())
+            assert _weight_globals(w_g)[0].data_ptr() == w_g.global_scale.data_ptr()  # read in place
 
 
 def test_cross_compile_default_configs():

@@ -446,22 +446,64 @@ def test_dequantize_plans_legal_on_every_generation(cc, cache):
 
 
 def test_w4a4_plan_lists_the_activation_kernels():
-    """``fp4moe plan --mode w4a4``: besides x's quantizer, the MoE's h is re-quantized; without FP4
-    MMA (SM90) x and h are dequantized for the packed kernels too (h in MMA K order where GEMM 2
-    runs on the wgmma kernel); with it (SM120) nothing is dequantized."""
+    """``fp4moe plan --mode w4a4``: besides x's quantizer, the MoE's h is re-quantized. Without FP4
+    MMA (SM90) the packed kernels take bf16 values: the quantizer writes them itself where x's order
+    is read (the decode kernels, the MoE's GEMM 1 gather), and the dequantize kernel writes them in
+    MMA K order where GEMM 2 runs on the wgmma kernel; with FP4 MMA (SM120) nothing is dequantized."""
     from fp4moe.models import get_model
     from fp4moe.plan.cli import plan_model
 
     glm = get_model("glm-5")
     rows = plan_model(glm, arch="sm90", tokens=(1, 4096), mode="w4a4", compile=False)
     chain = {(t, name): r for t, name, op, r in rows if op is None}
-    assert set(chain) == {(t, n) for t in (1, 4096) for n in ("quantize x (NVFP4)", "dequantize x (bf16)",
-                                                               "quantize h (NVFP4)", "dequantize h (bf16)")}
-    assert chain[(1, "quantize h (NVFP4)")].problem.M == 8 and chain[(1, "quantize h (NVFP4)")].problem.K == 2048
-    assert not chain[(1, "dequantize h (bf16)")].problem.mma_order
+    assert set(chain) == {(1, "quantize x (NVFP4 -> bf16)"), (1, "quantize h (NVFP4 -> bf16)"),
+                          (4096, "quantize x (NVFP4 -> bf16)"), (4096, "quantize h (NVFP4)"),
+                          (4096, "dequantize h (bf16)")}
+    h1 = chain[(1, "quantize h (NVFP4 -> bf16)")].problem
+    assert (h1.M, h1.K, h1.values_out, h1.dynamic) == (8, 2048, True, True)
+    assert chain[(4096, "quantize x (NVFP4 -> bf16)")].problem.values_out  # GEMM 1 gathers x's order
     assert chain[(4096, "dequantize h (bf16)")].problem.mma_order  # GEMM 2 on the wgmma kernel
     rows = plan_model(glm, arch="sm120", tokens=(1,), mode="w4a4", compile=False)
     assert {name for _, name, op, _ in rows if op is None} == {"quantize x (NVFP4)", "quantize h (NVFP4)"}
+
+
+def test_w4a4_chain_of_a_dense_layer_follows_its_kernel():
+    """A dense layer's x: values from the quantizer for the decode kernel, codes then MMA-order
+    values for SM90's wgmma prefill, codes alone for the Triton kernel (SM80 prefill, SM120)."""
+    from types import SimpleNamespace
+
+    from fp4moe.plan.cli import _w4a4_chain
+    from fp4moe.plan.planner import _resolve
+
+    dense = SimpleNamespace(hidden=6144)
+
+    def chain(arch, t):
+        return [(name, str(problem)) for name, (_, problem) in _w4a4_chain(dense, t, 1, 1, _resolve(arch, None)[0])]
+
+    assert chain("sm90", 1) == [("quantize x (NVFP4 -> bf16)", "M=1 K=6144 bf16 -> bf16 values")]
+    assert chain("sm90", 4096) == [("quantize x (NVFP4)", "M=4096 K=6144 bf16"),
+                                   ("dequantize x (bf16)", "M=4096 K=6144 MMA order")]
+    assert chain("sm80", 4096) == [("quantize x (NVFP4)", "M=4096 K=6144 bf16")]
+    assert chain("sm120", 1) == [("quantize x (NVFP4)", "M=1 K=6144 bf16")]
+
+
+@pytest.mark.parametrize("cc", [80, 90, 120])
+def test_fake_quantize_plans_legal_on_every_generation(cc, cache):
+    """The quantizer writing bf16 values (``values_out``, ``nvfp4_fake_quantize_kernel``) cross-compiles
+    without spills or MMA at the runtime's tile (uncapped, as its launcher runs it), its request
+    follows the kernel's source, with PDL where the target has it."""
+    from fp4moe.ops.quantize import QuantizeConfig
+    from fp4moe.plan.space import _jit_parameters
+
+    problem = QuantizeProblem(16, 6144, values_out=True)
+    r = evaluate("nvfp4_quantize", problem, f"sm{cc}", cache=cache)
+    assert r.config == QuantizeConfig.from_heuristic(16, 6144) and r.legal, r.reasons
+    assert r.spills == 0 and r.compiled.mma == ()
+    req = get_kernel("nvfp4_quantize").compile_request(r.config, problem, get_arch(cc))
+    params = _jit_parameters("fp4moe.kernels.quantize", "nvfp4_fake_quantize_kernel")
+    assert req.kernel.endswith(":nvfp4_fake_quantize_kernel") and req.maxnreg is None
+    assert list(req.signature) == [n for n, c in params if not c]
+    assert req.constexprs["PDL"] == (cc >= 90)
 
 
 # ------------------------------------------------------------------------------ cache and compiler

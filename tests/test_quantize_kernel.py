@@ -23,6 +23,7 @@ from fp4moe.ops.quantize import (
     _EMULATE_FMA,
     QuantizeConfig,
     dequantize_activations,
+    fake_quantize_activations,
     quantize_activations,
     quantize_activations_reference,
 )
@@ -439,6 +440,22 @@ def test_gpu_bit_exact_large(global_scale):
     check(near_boundaries(512, 2048, _gen(10), 0.37).cuda(), 0.37)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("global_scale", [None, 0.0123], ids=["dynamic", "given"])
+def test_gpu_fake_quantize_large(global_scale):
+    """The one-kernel quantize-dequantize at real sizes (a GLM-5 decode batch's x and h, a prefill
+    x), launched with PDL, bit for bit the two kernels'."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for M, K in [(1, 6144), (16, 6144), (128, 2048), (4096, 6144)]:
+        x = (torch.randn(M, K, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        x[:, 100:116] = 0
+        wg = torch.rand(256, device="cuda", generator=g) + 0.5
+        x_hat, gg = fake_quantize_activations(x, global_scale, wg)
+        want, want_g = dequantize_activations(quantize_activations(x, global_scale), wg)
+        assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16)), (M, K)
+        assert torch.equal(gg, want_g)
+
+
 # ----------------------------------------------------------------------------------------------
 # The inverse for emulated W4A4 (GPUs without FP4 MMA)
 
@@ -488,6 +505,49 @@ def test_dequantize_refuses_what_it_cannot_read(device):
         dequantize_activations(quantize_activations(x), torch.ones(2048, device=device))
     with pytest.raises(ValueError, match="contiguous fp32 values"):
         dequantize_activations(quantize_activations(x), torch.ones(2, device=device, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("M,K", [(1, 16), (3, 80), (5, 1040), (2, 2048), (17, 48), (0, 64)])
+@pytest.mark.parametrize("global_scale", [None, 0.0123], ids=["dynamic", "given"])
+@pytest.mark.parametrize("weight_global", [None, (0.37, 2.5, 1e-3)], ids=["none", "per_expert"])
+def test_fake_quantize_is_quantize_then_dequantize(M, K, global_scale, weight_global, device):
+    """``fake_quantize_activations`` = ``dequantize_activations(quantize_activations(...))`` bit for
+    bit in one kernel: tiles ending inside M and K, a zero block, a saturated block (only programs
+    with one clamp every element), the dynamic global scale and the weights' globals."""
+    x = normal(M, K, _gen(M * 11 + K)) * 3
+    x[:, :16] = 0
+    if M > 1:
+        x[1, -16:] *= 1e6  # saturates its block scale at 448 with a given global scale
+    x = x.to(device=device, dtype=torch.bfloat16)
+    wg = None if weight_global is None else torch.tensor(weight_global, dtype=torch.float32, device=device)
+    x_hat, g = fake_quantize_activations(x, global_scale, wg)
+    want, want_g = dequantize_activations(quantize_activations(x, global_scale), wg)
+    assert x_hat.shape == (M, K) and x_hat.dtype == torch.bfloat16 and g.shape == want_g.shape
+    assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(g, want_g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fake_quantize_other_dtypes_and_strides(dtype, device):
+    """fp16 and fp32 x (read as elements, not pairs) and a non-contiguous x give the same values as
+    the two kernels."""
+    x = (near_boundaries(6, 320, _gen(3), 0.37)).to(device=device, dtype=dtype)
+    for xx in (x, x.t().contiguous().t()):
+        x_hat, g = fake_quantize_activations(xx, 0.37)
+        want, want_g = dequantize_activations(quantize_activations(xx, 0.37))
+        assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16)) and torch.equal(g, want_g)
+
+
+def test_fake_quantize_refuses_what_it_cannot_read(device):
+    x = torch.randn(2, 64, device=device, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="2-D activations"):
+        fake_quantize_activations(x.reshape(2, 1, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fake_quantize_activations(x[:, :40])
+    with pytest.raises(TypeError, match="bfloat16, float16, float32"):
+        fake_quantize_activations(x.to(torch.int32))
+    with pytest.raises(ValueError, match="contiguous fp32 values"):
+        fake_quantize_activations(x, None, torch.ones(2048, device=device))
 
 
 def fp4moe_dequantize(xq: FP4Tensor) -> torch.Tensor:

@@ -315,13 +315,15 @@ def run_quantize_bench(
     rows = []
     for label, scale in (("given", nvfp4_global_scale(x.abs().amax())), ("none", None)):
         row: dict[str, Any] = {"kind": "quantize", "shape": f"{M}x{K}", "M": M, "global_scale": label,
-                               **dict.fromkeys(("us", "p10_us", "p90_us", "gbs", "frac_copy", "graph", "error"))}
+                               **dict.fromkeys(("us", "p10_us", "p90_us", "gbs", "frac_copy", "sm_mhz", "power_w", "power_capped",
+                                                 "graph", "error"))}
         try:
             from ..ops.quantize import quantize_activations  # written in parallel: imported when used
 
-            t = time_cuda_graph(functools.partial(quantize_activations, x, scale),
-                                reps=reps, iters_per_graph=iters_per_graph, budget_ms=budget_ms)
-            row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
+            with ClockMonitor() as monitor:
+                t = time_cuda_graph(functools.partial(quantize_activations, x, scale),
+                                    reps=reps, iters_per_graph=iters_per_graph, budget_ms=budget_ms)
+            row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph, **monitor.summary(),
                        gbs=rl.gbs(nbytes, t.median_us),
                        frac_copy=rl.fraction(t.median_us, nbytes / (float(ceilings["copy_gbs"]) * 1e3)))
         except Exception as err:

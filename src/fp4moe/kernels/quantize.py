@@ -446,42 +446,22 @@ def _load_tile(x_ptr, rows_left, nblocks_left, stride_xm,
 
 
 @triton.jit
-def _quantize_tile(
-    x_ptr, data_ptr, scales_ptr,  # already offset to the tile's first row and column
-    rows_left, nblocks_left, stride_xm, words_per_row, scales_per_row, g,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
-    SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
-):
-    """Quantize one [BLOCK_M, BLOCK_K] tile: :func:`_load_tile`, then :func:`_quantize_loaded`."""
-    r0, r1, r2, r3 = _load_tile(x_ptr, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, MASKED)
-    _quantize_loaded(r0, r1, r2, r3, data_ptr, scales_ptr, rows_left, nblocks_left, words_per_row,
-                     scales_per_row, g, x_ptr.dtype.element_ty == tl.bfloat16,
-                     BLOCK_M, BLOCK_K, MASKED, FAST, SM86, EMULATE_FMA)
-
-
-@triton.jit
 def _quantize_loaded(
     r0, r1, r2, r3,  # the tile's quarters (:func:`_load_tile`)
-    data_ptr, scales_ptr,  # already offset to the tile's first row and column
-    rows_left, nblocks_left, words_per_row, scales_per_row, g, WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+    g, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FAST: tl.constexpr,
     SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):
-    """Quantize one loaded [BLOCK_M, BLOCK_K] tile. A thread holds chunks of 32 consecutive
-    elements (two blocks, A and B), loaded as four 8-element quarters of one layout, so that all
-    16 elements of a block are in one thread (no cross-thread reduction) and the thread writes its
-    chunk's 4 code words (16 bytes) and 2 scale bytes with one store each.
-    MASKED: the tile has rows past M or columns past K (only rows < rows_left and blocks <
-    nblocks_left are valid); else no masks at all.
+    """Quantize one loaded [BLOCK_M, BLOCK_K] tile: its code words [BM, NC, 4] and the E4M3 bits of
+    the scales of blocks A and B of each chunk ([BM, NC] each). A thread holds chunks of 32
+    consecutive elements (two blocks, A and B), loaded as four 8-element quarters of one layout, so
+    that all 16 elements of a block are in one thread (no cross-thread reduction); it then stores
+    its chunk's 4 code words (16 bytes) and 2 scale bytes with one store each (:func:`_store_codes`)
+    or their 32 values (:func:`_store_values`). Elements masked off at the load are zeros.
     bf16 is read as packed pairs (int32); compiled (not EMULATE_FMA), their block maxima and sign
     bits are computed two elements at a time with inline PTX (SM80+; SM86 selects the
     ``max.xorsign.abs`` form of the maxima)."""
-    NC: tl.constexpr = BLOCK_K // 32
     ASM: tl.constexpr = WORDS and not EMULATE_FMA
     SHORT: tl.constexpr = r0.dtype != tl.float32  # bf16 (as int32 pairs) or fp16 elements
-    rows = tl.arange(0, BLOCK_M)
-    chunks = tl.arange(0, NC)
-    row_ok = rows < rows_left
     lo0, hi0, w0 = _unpack_quarter(r0, WORDS, ASM)
     lo1, hi1, w1 = _unpack_quarter(r1, WORDS, ASM)
     lo2, hi2, w2 = _unpack_quarter(r2, WORDS, ASM)
@@ -535,12 +515,25 @@ def _quantize_loaded(
     else:
         words = _code_words(lo0, hi0, w0, lo1, hi1, w1, lo2, hi2, w2, lo3, hi3, w3, da, ya, yla, cap_a,
                             db, yb, ylb, cap_b, False, SHORT, True, ASM, EMULATE_FMA)
+    return words, s_a, s_b
+
+
+@triton.jit
+def _store_codes(words, s_a, s_b, data_ptr, scales_ptr, rows_left, nblocks_left, words_per_row, scales_per_row,
+                 MASKED: tl.constexpr):
+    """A quantized tile's code words [BM, NC, 4] and block scales (E4M3 bits [BM, NC] of blocks A
+    and B of each chunk) to memory: one 16-byte and one 2-byte store per thread and chunk."""
+    BLOCK_M: tl.constexpr = words.shape[0]
+    NC: tl.constexpr = words.shape[1]
+    rows = tl.arange(0, BLOCK_M)
+    chunks = tl.arange(0, NC)
     sbits = tl.join(s_a, s_b).to(tl.uint8)  # [BM, NC, 2]
     four = tl.arange(0, 4)
     two = tl.arange(0, 2)
     w_offs = rows[:, None, None] * words_per_row + chunks[None, :, None] * 4 + four[None, None, :]
     s_offs = rows[:, None, None] * scales_per_row + chunks[None, :, None] * 2 + two[None, None, :]
     if MASKED:
+        row_ok = rows < rows_left
         w_ok = row_ok[:, None, None] & ((chunks[None, :, None] * 2 + four[None, None, :] // 2) < nblocks_left)
         s_ok = row_ok[:, None, None] & ((chunks[None, :, None] * 2 + two[None, None, :]) < nblocks_left)
         tl.store(data_ptr + w_offs, words, mask=w_ok)
@@ -548,6 +541,38 @@ def _quantize_loaded(
     else:
         tl.store(data_ptr + w_offs, words)
         tl.store(scales_ptr + s_offs, sbits)
+
+
+@triton.jit
+def _store_values(words, s_a, s_b, out_ptr, rows_left, nblocks_left, stride_om, MASKED: tl.constexpr):
+    """A quantized tile as the bf16 values its codes stand for, ``e2m1(code) * e4m3(scale)``
+    without the global scale (exact in bf16: what ``nvfp4_dequantize_kernel`` makes of the stored
+    codes), [BM, 32 NC] at out_ptr: each thread decodes its own chunk's 4 words and 2 scales."""
+    BLOCK_M: tl.constexpr = words.shape[0]
+    NC: tl.constexpr = words.shape[1]
+    four = tl.arange(0, 4)[None, None, :]
+    scale = tl.where(four < 2, e4m3_to_f32(s_a)[:, :, None], e4m3_to_f32(s_b)[:, :, None])  # word w's block
+    v0 = e2m1_to_f32(words & 0xF) * scale  # element 8 w + j is nibble j of word w
+    v1 = e2m1_to_f32((words >> 4) & 0xF) * scale
+    v2 = e2m1_to_f32((words >> 8) & 0xF) * scale
+    v3 = e2m1_to_f32((words >> 12) & 0xF) * scale
+    v4 = e2m1_to_f32((words >> 16) & 0xF) * scale
+    v5 = e2m1_to_f32((words >> 20) & 0xF) * scale
+    v6 = e2m1_to_f32((words >> 24) & 0xF) * scale
+    v7 = e2m1_to_f32((words >> 28) & 0xF) * scale
+    # each join appends its pair's index as the last dimension, so this is [BM, NC, 4, 2, 2, 2] indexed
+    # (w, j >> 2, (j >> 1) & 1, j & 1): element 8 w + j in memory order
+    v = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    v = tl.reshape(v, (BLOCK_M, NC, 32)).to(tl.bfloat16)
+    rows = tl.arange(0, BLOCK_M)
+    chunks = tl.arange(0, NC)
+    e = tl.arange(0, 32)
+    offs = rows[:, None, None] * stride_om + chunks[None, :, None] * 32 + e[None, None, :]
+    if MASKED:
+        ok = (rows < rows_left)[:, None, None] & ((chunks[None, :, None] * 2 + e[None, None, :] // 16) < nblocks_left)
+        tl.store(out_ptr + offs, v, mask=ok)
+    else:
+        tl.store(out_ptr + offs, v)
 
 
 @triton.jit
@@ -577,54 +602,137 @@ def nvfp4_quantize_kernel(
     inside K, and all tiles when K is not a multiple of 32 (rows of codes then do not start on
     16 bytes), take the masked variant; the others store 16-byte code words and 2-byte scales.
     """
+    _quantize_program(x_ptr, data_ptr, scales_ptr, scale_ptr, gs_out_ptr, gs_out_ptr, gs_out_ptr, M, K, stride_xm,
+                      0, 1, BLOCK_M, BLOCK_K, DYNAMIC, SM86, EMULATE_FMA, False, False, 1)
+
+
+@triton.jit
+def nvfp4_fake_quantize_kernel(
+    x_ptr,       # [M, K] bf16/fp16/fp32, rows stride_xm apart, last dim contiguous
+    out_ptr,     # [M, K] bf16 (rows stride_om apart): code value * block scale, without the global scales
+    scale_ptr,   # [] fp32: the global scale g, or max |x| when DYNAMIC
+    wg_ptr,      # [G] fp32: the weight's global scales (HAS_WG; one, or one per expert), else unused
+    g_out_ptr,   # [G] fp32: receives g * wg (or [1]: g)
+    M, K, stride_xm, stride_om, G,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    DYNAMIC: tl.constexpr, SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
+    HAS_WG: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr,
+):
+    """``nvfp4_quantize_kernel`` then ``nvfp4_dequantize_kernel`` in one pass, for the W4A4 path of
+    GPUs without FP4 MMA: the same tiles, scales and codes, but each program writes its codes'
+    values ``e2m1(code) * e4m3(scale)`` as bf16 (exact) instead of the codes, and program (0, 0)
+    the product of the global scales for the GEMM's epilogue, as the dequantize kernel does. Bit
+    for bit the two kernels' result, without the codes' round trip through memory and one launch
+    fewer; PDL: waits for the kernel before it, then lets the GEMM after it launch."""
+    pdl_enter(PDL)
+    _quantize_program(x_ptr, out_ptr, out_ptr, scale_ptr, g_out_ptr, wg_ptr, g_out_ptr, M, K, stride_xm,
+                      stride_om, G, BLOCK_M, BLOCK_K, DYNAMIC, SM86, EMULATE_FMA, True, HAS_WG, BLOCK_G)
+
+
+@triton.jit
+def _quantize_program(x_ptr, dst_ptr, scales_ptr, scale_ptr, gs_out_ptr, wg_ptr, g_out_ptr, M, K, stride_xm,
+                      stride_om, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DYNAMIC: tl.constexpr,
+                      SM86: tl.constexpr, EMULATE_FMA: tl.constexpr, FAKE: tl.constexpr, HAS_WG: tl.constexpr,
+                      BLOCK_G: tl.constexpr):
+    """One program of either kernel: the tile x[BLOCK_M rows, BLOCK_K columns] of program
+    (pid_m, pid_k), quantized and stored as codes and scales (dst_ptr: int32 words, scales_ptr), or
+    FAKE as their bf16 values (dst_ptr: rows stride_om apart) with program (0, 0) storing g * wg to
+    g_out_ptr (gs_out_ptr then unused)."""
     tl.static_assert(BLOCK_K % 32 == 0)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     row0 = pid_m * BLOCK_M
     rows_left = M - row0
     nblocks_left = K // 16 - pid_k * (BLOCK_K // 16)
-    words_per_row = K // 8
-    scales_per_row = K // 16
     x_tile = x_ptr + row0.to(tl.int64) * stride_xm + pid_k * BLOCK_K
     full = (K % 32 == 0) & (nblocks_left >= BLOCK_K // 16) & (rows_left >= BLOCK_M)
+    words_per_row = K // 8
+    scales_per_row = K // 16
+    # each of the four paths (full or masked tile, fast or exact divisions) loads, quantizes and stores
+    # on its own: one straight-line path per case (sharing the quantization after a merge costs the
+    # 64-register quantizer 8-52 more bytes of spills)
     if full:
         # the tile's loads go out before anything waits on g (one memory round trip per program, not two)
         r0, r1, r2, r3 = _load_tile(x_tile, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, False)
-        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC)
+        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC, not FAKE)
         words_per_row = tl.multiple_of(words_per_row, 4)  # K % 32 == 0: rows start on 16 bytes
         scales_per_row = tl.multiple_of(scales_per_row, 2)
-        data_tile = data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8)
-        scales_tile = scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16)
+        dst_tile, scales_tile = _tile_pointers(dst_ptr, scales_ptr, row0, pid_k, words_per_row, scales_per_row,
+                                               stride_om, BLOCK_K, FAKE)
         # Fast path, all in the normal range: divisions by reciprocals (2**-91 <= g <= 2**100).
         if _fast_range(g):
-            _quantize_loaded(r0, r1, r2, r3, data_tile, scales_tile, rows_left, nblocks_left, words_per_row,
-                             scales_per_row, g, x_ptr.dtype.element_ty == tl.bfloat16,
-                             BLOCK_M, BLOCK_K, False, True, SM86, EMULATE_FMA)
+            _quantize_store(r0, r1, r2, r3, g, dst_tile, scales_tile, rows_left, nblocks_left,
+                            words_per_row, scales_per_row, stride_om, WORDS=x_ptr.dtype.element_ty == tl.bfloat16,
+                            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, MASKED=False, FAST=True, SM86=SM86,
+                            EMULATE_FMA=EMULATE_FMA, FAKE=FAKE)
         else:
-            _quantize_loaded(r0, r1, r2, r3, data_tile, scales_tile, rows_left, nblocks_left, words_per_row,
-                             scales_per_row, g, x_ptr.dtype.element_ty == tl.bfloat16,
-                             BLOCK_M, BLOCK_K, False, False, SM86, EMULATE_FMA)
+            _quantize_store(r0, r1, r2, r3, g, dst_tile, scales_tile, rows_left, nblocks_left,
+                            words_per_row, scales_per_row, stride_om, WORDS=x_ptr.dtype.element_ty == tl.bfloat16,
+                            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, MASKED=False, FAST=False, SM86=SM86,
+                            EMULATE_FMA=EMULATE_FMA, FAKE=FAKE)
     else:
-        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC)
-        data_tile = data_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8)
-        scales_tile = scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16)
+        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC, not FAKE)
+        dst_tile, scales_tile = _tile_pointers(dst_ptr, scales_ptr, row0, pid_k, words_per_row, scales_per_row,
+                                               stride_om, BLOCK_K, FAKE)
         if _fast_range(g):
-            _quantize_tile(x_tile, data_tile, scales_tile, rows_left, nblocks_left, stride_xm, words_per_row,
-                           scales_per_row, g, BLOCK_M, BLOCK_K, True, True, SM86, EMULATE_FMA)
+            r0, r1, r2, r3 = _load_tile(x_tile, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, True)
+            _quantize_store(r0, r1, r2, r3, g, dst_tile, scales_tile, rows_left, nblocks_left,
+                            words_per_row, scales_per_row, stride_om, WORDS=x_ptr.dtype.element_ty == tl.bfloat16,
+                            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, MASKED=True, FAST=True, SM86=SM86,
+                            EMULATE_FMA=EMULATE_FMA, FAKE=FAKE)
         else:
-            _quantize_tile(x_tile, data_tile, scales_tile, rows_left, nblocks_left, stride_xm, words_per_row,
-                           scales_per_row, g, BLOCK_M, BLOCK_K, True, False, SM86, EMULATE_FMA)
+            r0, r1, r2, r3 = _load_tile(x_tile, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, True)
+            _quantize_store(r0, r1, r2, r3, g, dst_tile, scales_tile, rows_left, nblocks_left,
+                            words_per_row, scales_per_row, stride_om, WORDS=x_ptr.dtype.element_ty == tl.bfloat16,
+                            BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, MASKED=True, FAST=False, SM86=SM86,
+                            EMULATE_FMA=EMULATE_FMA, FAKE=FAKE)
+    if FAKE:
+        if (pid_m == 0) & (pid_k == 0):
+            g = _global_scale(scale_ptr, gs_out_ptr, False, DYNAMIC, False)
+            if HAS_WG:  # BLOCK_G >= G
+                offs = tl.arange(0, BLOCK_G)
+                tl.store(g_out_ptr + offs, g * tl.load(wg_ptr + offs, mask=offs < G, other=0.0), mask=offs < G)
+            else:
+                tl.store(g_out_ptr, g)
 
 
 @triton.jit
-def _global_scale(scale_ptr, gs_out_ptr, first, DYNAMIC: tl.constexpr):
+def _tile_pointers(dst_ptr, scales_ptr, row0, pid_k, words_per_row, scales_per_row, stride_om,
+                   BLOCK_K: tl.constexpr, FAKE: tl.constexpr):
+    """Where program (row0, pid_k)'s tile goes: its code words and scales, or FAKE its bf16 values
+    (the second pointer then unused)."""
+    if FAKE:
+        return dst_ptr + row0.to(tl.int64) * stride_om + pid_k * BLOCK_K, scales_ptr
+    else:
+        return (dst_ptr + row0.to(tl.int64) * words_per_row + pid_k * (BLOCK_K // 8),
+                scales_ptr + row0.to(tl.int64) * scales_per_row + pid_k * (BLOCK_K // 16))
+
+
+@triton.jit
+def _quantize_store(r0, r1, r2, r3, g, dst_tile, scales_tile, rows_left, nblocks_left, words_per_row,
+                    scales_per_row, stride_om, WORDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                    MASKED: tl.constexpr, FAST: tl.constexpr, SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
+                    FAKE: tl.constexpr):
+    """:func:`_quantize_loaded` on a loaded tile, then its codes (:func:`_store_codes`) or, FAKE,
+    their values (:func:`_store_values`) stored at the tile's pointers (:func:`_tile_pointers`)."""
+    words, s_a, s_b = _quantize_loaded(r0, r1, r2, r3, g, WORDS, BLOCK_M, BLOCK_K, FAST, SM86, EMULATE_FMA)
+    if FAKE:
+        _store_values(words, s_a, s_b, dst_tile, rows_left, nblocks_left, stride_om, MASKED)
+    else:
+        _store_codes(words, s_a, s_b, dst_tile, scales_tile, rows_left, nblocks_left, words_per_row,
+                     scales_per_row, MASKED)
+
+
+@triton.jit
+def _global_scale(scale_ptr, gs_out_ptr, first, DYNAMIC: tl.constexpr, STORE: tl.constexpr):
     """g from scale_ptr; DYNAMIC: scale_ptr holds amax, g = amax / (6 * 448) (correctly rounded),
-    1.0 when amax is 0, and the ``first`` program stores it to gs_out_ptr."""
+    1.0 when amax is 0, and with STORE the ``first`` program stores it to gs_out_ptr."""
     g = tl.load(scale_ptr)
     if DYNAMIC:
         g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)
-        if first:
-            tl.store(gs_out_ptr, g)
+        if STORE:
+            if first:
+                tl.store(gs_out_ptr, g)
     return g
 
 

@@ -594,7 +594,7 @@ def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activa
 
     requant = None
     if mode == "w4a4":  # emulated: each GEMM's activations quantized, then dequantized for the W4A16 kernels
-        x, w13 = _w4a4_activations(_quantize_rows(x, input_global_scale), w13)
+        x, w13 = _w4a4_activations(x, input_global_scale, w13)
         requant = functools.partial(_w4a4_requantize, w2=w2)
     if isinstance(cfg, MMAConfig):
         return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
@@ -603,28 +603,33 @@ def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activa
                       shared_out, out, requant)
 
 
-def _w4a4_activations(xq: FP4Tensor, w: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
-    """Emulated W4A4 on the packed W4A16 kernels, as ``ops.linear`` runs it: the NVFP4 activations
-    ``xq`` dequantized to bf16 without their global scale (exact, ``dequantize_activations``) and
-    ``w`` with its global scales times that one, which the GEMM epilogues apply to the fp32 sums
-    (before the SwiGLU). The product is formed in the dequantize kernel's first program, or by torch
-    where there are too many globals for it (per-row globals [E, N] of real layers); it comes back
-    as [E, 1] or [E, N], shapes ``_weight_globals`` reads without a copy."""
-    from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations
+def _w4a4_activations(x: torch.Tensor, global_scale: torch.Tensor | None, w: FP4Tensor,
+                      k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
+    """Emulated W4A4 on the packed W4A16 kernels, as ``ops.linear`` runs it: x quantized to NVFP4
+    (``global_scale``, or None: dynamic) and dequantized to bf16 without its global scale (exact),
+    and ``w`` with its global scales times that one, which the GEMM epilogues apply to the fp32
+    sums (before the SwiGLU). In x's order both in one kernel (``fake_quantize_activations``); in
+    GEMM 2's MMA K order (``k_stored``, the wgmma path) by the quantizer and the dequantize kernel.
+    The product of the globals is formed in that kernel's first program, or by torch where there
+    are too many globals for it (per-row globals [E, N] of real layers); it comes back as [E, 1] or
+    [E, N], shapes ``_weight_globals`` reads without a copy."""
+    from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations, fake_quantize_activations
 
     wv, mode = _weight_globals(w)  # contiguous [E] or [E, N], kept with w's globals: no copy per call
-    if wv.numel() <= MAX_WEIGHT_GLOBALS:
-        x_hat, g = dequantize_activations(xq, wv, k_stored=k_stored)
+    wg = wv if wv.numel() <= MAX_WEIGHT_GLOBALS else None
+    if k_stored is None:
+        x_hat, g = fake_quantize_activations(x, global_scale, wg)
     else:
-        x_hat, gx = dequantize_activations(xq, k_stored=k_stored)
-        g = wv * gx
+        x_hat, g = dequantize_activations(_quantize_rows(x, global_scale), wg, k_stored=k_stored)
+    if wg is None:
+        g = wv * g
     return x_hat, replace(w, global_scale=g.reshape(-1, 1) if mode == 1 else g)
 
 
 def _w4a4_requantize(h: torch.Tensor, w2: FP4Tensor, k_stored: int | None = None) -> tuple[torch.Tensor, FP4Tensor]:
     """Emulated W4A4 between the GEMMs: h re-quantized over all its rows with one dynamic global
     scale, as ``_run`` does, then ``_w4a4_activations`` for GEMM 2 (``k_stored``: in its MMA K order)."""
-    return _w4a4_activations(_quantize_rows(h, None), w2, k_stored)
+    return _w4a4_activations(h, None, w2, k_stored)
 
 
 def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, interleaved, w13_bias, w2_bias,

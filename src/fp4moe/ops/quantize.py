@@ -22,12 +22,13 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from ..formats import NVFP4
-from ..kernels.quantize import absmax_kernel, nvfp4_dequantize_kernel, nvfp4_quantize_kernel
+from ..kernels.quantize import absmax_kernel, nvfp4_dequantize_kernel, nvfp4_fake_quantize_kernel, nvfp4_quantize_kernel
 from ..quantize import FP4Tensor, quantize
 from ._runtime import pdl_kwargs
 from .linear import device_arch
 
-__all__ = ["DequantizeConfig", "QuantizeConfig", "dequantize_activations", "quantize_activations", "quantize_activations_reference"]
+__all__ = ["DequantizeConfig", "QuantizeConfig", "dequantize_activations", "fake_quantize_activations",
+           "quantize_activations", "quantize_activations_reference"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
@@ -139,6 +140,64 @@ def quantize_activations(
         An :class:`FP4Tensor` of logical shape ``x.shape`` on x's device: data uint8 [..., K/2],
         scales float8_e4m3fn [..., K/16], global_scale a 0-d fp32 tensor.
     """
+    x2, lead, gs, cfg = _prepare(x, global_scale, check_finite, config)
+    M, K = x2.shape
+    data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((M, K // _BLOCK), dtype=torch.uint8, device=x.device)
+    dynamic = gs is None
+    if dynamic:  # written by the quantize kernel's first program; for empty x the reference's 1.0
+        gs = (torch.empty if M and K else torch.ones)((), dtype=torch.float32, device=x.device)
+    if M and K:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            scale_in, launch = _scale_in(x2, None if dynamic else gs, cfg)
+            nvfp4_quantize_kernel[_grid(M, K, cfg)](x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
+                                                    DYNAMIC=dynamic, **launch)
+    return FP4Tensor(
+        data=data.reshape(*lead, K // 2),
+        scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),
+        global_scale=gs,
+        shape=x.shape,
+        fmt=NVFP4,
+    )
+
+
+def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor | float | None = None,
+                              weight_global_scale: torch.Tensor | None = None, *,
+                              config: QuantizeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dequantize_activations(quantize_activations(x, global_scale), weight_global_scale)`` in one
+    kernel (``nvfp4_fake_quantize_kernel``), bit for bit: the W4A4 path of GPUs without FP4 MMA
+    needs the NVFP4 activations only as bf16 values, so the codes need not go through memory.
+
+    x: [M, K] as ``quantize_activations`` takes it (K a multiple of 16; bf16, fp16 or fp32).
+    Returns ``(x_hat, g)``: x_hat [M, K] bf16 = e2m1(code) * e4m3(block scale), without the global
+    scale; g fp32 = the activations' global scale (given, or amax(|x|) / 2688 computed on the
+    device) times ``weight_global_scale`` (1..``MAX_WEIGHT_GLOBALS`` values, its shape), or [1]
+    without it. Launched with PDL where the device has it, so the GEMM after it launches early."""
+    x2, lead, gs, cfg = _prepare(x, global_scale, False, config)
+    if len(lead) != 1:
+        raise ValueError(f"x: expected 2-D activations [M, K], got shape {tuple(x.shape)}")
+    M, K = x2.shape
+    wg = _check_weight_globals(weight_global_scale, x.device)
+    out = torch.empty((M, K), dtype=torch.bfloat16, device=x.device)
+    g = torch.empty((1,), dtype=torch.float32, device=x.device) if wg is None else torch.empty_like(wg)
+    dynamic = gs is None
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if M == 0 or K == 0:  # no tile to run: g from the given scale, or the reference's 1.0 for empty x
+            g.copy_((gs if gs is not None else torch.ones((), device=x.device)) * (wg if wg is not None else 1.0))
+            return out, g
+        scale_in, launch = _scale_in(x2, gs, cfg)
+        launch.pop("maxnreg", None)  # the 64-register cap is the quantize kernel's (its codes' registers)
+        nvfp4_fake_quantize_kernel[_grid(M, K, cfg)](
+            x2, out, scale_in, wg if wg is not None else scale_in, g, M, K, x2.stride(0), out.stride(0), g.numel(),
+            DYNAMIC=dynamic, HAS_WG=wg is not None, BLOCK_G=triton.next_power_of_2(g.numel()),
+            **launch, **pdl_kwargs(x.device))
+    return out, g
+
+
+def _prepare(x: torch.Tensor, global_scale: torch.Tensor | float | None, check_finite: bool,
+             config: QuantizeConfig | None) -> tuple[torch.Tensor, list[int], torch.Tensor | None, QuantizeConfig]:
+    """Checks of the quantizers' arguments; x as the kernels read it ([M, K], K contiguous, bf16 on
+    4 bytes), x's leading shape, the given global scale as a device tensor (None: dynamic), the tile."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
@@ -155,43 +214,43 @@ def quantize_activations(
     if check_finite and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"x: expected finite values (check_finite=True), got {bad} NaN/Inf value(s)")
-
     M = math.prod(lead)
     x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if x2.dtype == torch.bfloat16 and M > 1 and (x2.data_ptr() % 4 or x2.stride(0) % 2):
         x2 = x2.clone(memory_format=torch.contiguous_format)  # the kernel reads bf16 pairs as int32 words
-    data = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
-    scales = torch.empty((M, K // _BLOCK), dtype=torch.uint8, device=x.device)
-    dynamic = gs is None
-    if dynamic:  # written by the quantize kernel's first program; for empty x the reference's 1.0
-        gs = (torch.empty if M and K else torch.ones)((), dtype=torch.float32, device=x.device)
-    if M and K:
-        cfg = config or QuantizeConfig.from_heuristic(M, K, x2.dtype)
-        tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
-        # the register cap is for the quantize kernel (a compile option; the interpreter has none)
-        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not _EMULATE_FMA else {}
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            scale_in = gs
-            if dynamic:
-                amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-                absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
-                absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
-                scale_in = amax_bits.view(torch.float32)
-            grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k))
-            arch = device_arch(x.device)
-            sm86 = arch is not None and arch.has_xorsign_abs_max
-            nvfp4_quantize_kernel[grid](
-                x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
-                DYNAMIC=dynamic, SM86=sm86, EMULATE_FMA=_EMULATE_FMA, **tile, **cap)
-    return FP4Tensor(
-        data=data.reshape(*lead, K // 2),
-        scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),
-        global_scale=gs,
-        shape=x.shape,
-        fmt=NVFP4,
-    )
+    return x2, lead, gs, config or QuantizeConfig.from_heuristic(max(M, 1), K, x2.dtype)
+
+
+def _grid(M: int, K: int, cfg: QuantizeConfig) -> tuple[int, int]:
+    return triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k)
+
+
+def _scale_in(x2: torch.Tensor, gs: torch.Tensor | None, cfg: QuantizeConfig) -> tuple[torch.Tensor, dict]:
+    """What the quantize kernels read as their scale (the given global scale, or amax(|x|) reduced
+    now by ``absmax_kernel`` when gs is None) and their launch options for x2 (M, K > 0)."""
+    M, K = x2.shape
+    tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    if gs is None:
+        amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
+        absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
+        absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
+        gs = amax_bits.view(torch.float32)
+    arch = device_arch(x2.device)
+    # the register cap is a compile option (the interpreter has none)
+    cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not _EMULATE_FMA else {}
+    return gs, dict(SM86=arch is not None and arch.has_xorsign_abs_max, EMULATE_FMA=_EMULATE_FMA, **tile, **cap)
+
+
+def _check_weight_globals(wg: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    if wg is not None and not (1 <= wg.numel() <= MAX_WEIGHT_GLOBALS and wg.dtype == torch.float32
+                               and wg.is_contiguous()):
+        raise ValueError(f"weight_global_scale: expected 1..{MAX_WEIGHT_GLOBALS} contiguous fp32 values, got "
+                         f"{wg.dtype} of shape {tuple(wg.shape)}")
+    if wg is not None and wg.device != device:
+        raise ValueError(f"weight_global_scale: expected device {device}, got {wg.device}")
+    return wg
 
 
 @dataclass(frozen=True)
@@ -242,13 +301,7 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
     data, scales = xq.data, xq.scales.view(torch.uint8)
     if data.stride(-1) != 1 or scales.stride(-1) != 1:
         raise ValueError("xq: packed codes and scales must be contiguous along K")
-    wg = weight_global_scale
-    if wg is not None and not (1 <= wg.numel() <= MAX_WEIGHT_GLOBALS and wg.dtype == torch.float32
-                               and wg.is_contiguous()):
-        raise ValueError(f"weight_global_scale: expected 1..{MAX_WEIGHT_GLOBALS} contiguous fp32 values, got "
-                         f"{wg.dtype} of shape {tuple(wg.shape)}")
-    if wg is not None and wg.device != xq.device:
-        raise ValueError(f"weight_global_scale: expected device {xq.device}, got {wg.device}")
+    wg = _check_weight_globals(weight_global_scale, xq.device)
     g = torch.empty((1,), dtype=torch.float32, device=xq.device) if wg is None else torch.empty_like(wg)
     grid = (max(1, M), max(1, triton.cdiv(k_out, config.block_k)))
     with torch.cuda.device(xq.device) if xq.data.is_cuda else contextlib.nullcontext():

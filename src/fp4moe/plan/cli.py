@@ -66,7 +66,7 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     ``fp4_linear`` otherwise)."""
     from ..models import fp4_linear_ops
     from .planner import _resolve, plan_many
-    from .space import LinearProblem, QuantizeProblem, get_kernel
+    from .space import LinearProblem, get_kernel
 
     target = _resolve(arch, gpu)[0]
     fmt = model.fmt if mode == "w4a16" else "nvfp4"
@@ -87,9 +87,7 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                 kernel = _linear_kernel(op.M, op.N, op.K, mode, target)
                 # emulated W4A4 on a packed kernel: x dequantized to bf16 (ops.linear._launch_packed)
                 items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
-        if mode == "w4a4":  # the activation quantizer runs once per token before the experts
-            entries.append((t, "quantize x (NVFP4)", None))
-            items.append(("nvfp4_quantize", QuantizeProblem(M=t, K=model.hidden)))
+        if mode == "w4a4":  # the activation kernels, x's once per token before the experts
             items_h = _w4a4_chain(model, t, tp, ep, target)
             entries += [(t, name, None) for name, _ in items_h]
             items += [item for _, item in items_h]
@@ -98,27 +96,33 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
 
 
 def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
-    """W4A4's activation kernels besides the quantizer of x: [(name, (kernel, problem))]. Without FP4
-    MMA (``ops.linear.target_path``) x is dequantized to bf16 for the packed kernels; an MoE model
-    also re-quantizes the SwiGLU output h (its T x top_k rows, dynamic global scale) before GEMM 2,
-    and without FP4 MMA dequantizes it too (in MMA K order when GEMM 2 runs on the wgmma kernel)."""
-    from ..arch import get_arch
-    from ..ops.linear import runs_packed
+    """W4A4's activation kernels: [(name, (kernel, problem))]: x's and, for an MoE model, those of
+    the SwiGLU output h (its T x top_k rows, dynamic global scale) before GEMM 2, as the runtime
+    runs them for the kernel that reads them: the Triton kernels (and FP4 MMA) take the NVFP4
+    codes (the quantizer); the packed kernels of emulated W4A4 take bf16 values, which the
+    mma.sync kernels and the MoE's GEMM 1 gather read in x's order (the quantizer writing the
+    values, ``values_out``: ``fake_quantize_activations``) and the wgmma kernel reads in MMA K
+    order (the quantizer, then the dequantize kernel: ``ops.linear._launch_packed``,
+    ``ops.moe._w4a4_activations``)."""
     from .space import DequantizeProblem, QuantizeProblem
 
-    emulated = runs_packed("w4a4", get_arch(arch) if arch is not None else None)
-    out = []
-    if emulated:
-        out.append(("dequantize x (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=tokens, K=model.hidden))))
-    if getattr(model, "n_experts", 0):
-        pairs = max(1, -(-tokens // ep)) * model.routing.top_k
-        inter = model.expert_intermediate // tp
-        out.append(("quantize h (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=pairs, K=inter))))
-        if emulated:
-            wgmma = _moe_kernel(model, moe_problem(model, tokens, 2, tp=tp, ep=ep, arch=arch), arch) == "fp4_moe_wgmma"
-            out.append(("dequantize h (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=pairs, K=inter,
-                                                                                     mma_order=wgmma))))
-    return out
+    def chain(name: str, M: int, K: int, reader: str) -> list:
+        if reader in ("fp4_linear", "fp4_moe_gemm"):
+            return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K)))]
+        if reader in ("fp4_linear_mma", "fp4_moe_mma", "gather"):
+            return [(f"quantize {name} (NVFP4 -> bf16)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K,
+                                                                                             values_out=True)))]
+        return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K))),
+                (f"dequantize {name} (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=M, K=K, mma_order=True)))]
+
+    if not getattr(model, "n_experts", 0):
+        return chain("x", tokens, model.hidden, _linear_kernel(tokens, model.hidden, model.hidden, "w4a4", arch))
+    pairs = max(1, -(-tokens // ep)) * model.routing.top_k
+    inter = model.expert_intermediate // tp
+    kernel = _moe_kernel(model, moe_problem(model, tokens, 2, tp=tp, ep=ep, fmt="nvfp4", mode="w4a4", arch=arch),
+                         arch)
+    return (chain("x", tokens, model.hidden, "gather" if kernel == "fp4_moe_wgmma" else kernel)
+            + chain("h", pairs, inter, kernel))
 
 
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:

@@ -695,12 +695,15 @@ class QuantizeProblem:
     """Quantize activations x [M, K] to NVFP4 (``ops.quantize.quantize_activations``).
 
     ``dynamic``: the global scale is computed from amax on the device (a first, absmax pass).
+    ``values_out``: the codes' bf16 values are written instead of the codes, for emulated W4A4
+    (``ops.quantize.fake_quantize_activations``: ``nvfp4_fake_quantize_kernel``, same tiles).
     """
 
     M: int
     K: int
     x_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     dynamic: bool = True
+    values_out: bool = False
 
     def __post_init__(self) -> None:
         _check_activations(self)
@@ -708,10 +711,11 @@ class QuantizeProblem:
             raise ValueError(f"QuantizeProblem.x_dtype: expected 'bf16', 'fp16' or 'fp32', got {self.x_dtype!r}")
 
     def __str__(self) -> str:
-        return f"M={self.M} K={self.K} {self.x_dtype}"
+        return f"M={self.M} K={self.K} {self.x_dtype}" + (" -> bf16 values" if self.values_out else "")
 
 
 _QUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_quantize_kernel")
+_FAKE_QUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_fake_quantize_kernel")
 
 
 def _jit_parameters(module: str, function: str) -> list[tuple[str, bool]]:
@@ -793,13 +797,19 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         return quantize_smem(config.block_m, config.block_k, config.num_warps, problem.x_dtype)
 
     def compile_request(self, config, problem: QuantizeProblem, arch: Arch) -> CompileRequest:
-        """The request, built from the kernel's parameter list as it stands in its source file."""
+        """The request, built from the kernel's parameter list as it stands in its source file
+        (``values_out``: the fake-quantize kernel, uncapped as its launcher runs it, with weight
+        globals for up to 256 experts, the MoE's case)."""
         types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
-                 "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32"}
+                 "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
+                 "out_ptr": "*bf16", "wg_ptr": "*fp32", "g_out_ptr": "*fp32", "stride_om": "i32", "G": "i32"}
         values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
                   "SM86": arch.has_xorsign_abs_max,  # as the launcher sets it from the device
                   "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
-                  "GS_BY_RECIPROCAL": True}  # CUDA's torch divides by a constant through its reciprocal
+                  "HAS_WG": True, "BLOCK_G": 256, "PDL": arch.has_pdl}
+        if problem.values_out:
+            return _source_request(self.name, _FAKE_QUANTIZE_KERNEL, types, values,
+                                   ("x_ptr", "out_ptr", "K", "stride_xm", "stride_om"), arch, config.num_warps)
         return _source_request(self.name, _QUANTIZE_KERNEL, types, values,
                                ("x_ptr", "data_ptr", "scales_ptr", "K", "stride_xm"), arch, config.num_warps,
                                config.maxnreg)
@@ -811,7 +821,7 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         M, K = problem.M, problem.K
         xb = {"bf16": 2, "fp16": 2, "fp32": 4}[problem.x_dtype]
         programs = _cdiv(M, config.block_m) * _cdiv(K, config.block_k)
-        nbytes = M * K * xb + M * K // 2 + M * K // 16
+        nbytes = M * K * xb + (M * K * 2 if problem.values_out else M * K // 2 + M * K // 16)
         notes = []
         extra = 0.0
         if problem.dynamic:  # absmax pass: reads x once more, one more kernel
