@@ -285,10 +285,31 @@ def test_dynamic_global_scale_is_a_correctly_rounded_division(device):
     data = torch.empty(4, 8, dtype=torch.int32, device=device)
     scales = torch.empty(4, 4, dtype=torch.uint8, device=device)
     gs = torch.empty((), device=device)
-    nvfp4_quantize_kernel[(1, 1)](x, data, scales, amax.to(device), gs, 4, 64, 64, BLOCK_M=4, BLOCK_K=64,
-                                  DYNAMIC=True, SM86=False, EMULATE_FMA=_EMULATE_FMA)
+    nvfp4_quantize_kernel[(1, 1)](x, data, scales, amax.to(device), gs, 4, 64, 64, 1, BLOCK_M=4, BLOCK_K=64,
+                                  DYNAMIC=True, SM86=False, EMULATE_FMA=_EMULATE_FMA, BLOCK_P=1)
     assert gs.cpu().item() == exact.float().item()
     assert nvfp4_global_scale(amax.to(device)).cpu().item() == exact.float().item()
+
+
+@pytest.mark.parametrize("path", ["partials", "atomic"])
+@pytest.mark.parametrize("M,K", [(1, 64), (3, 2048), (40, 1040), (300, 64)])
+def test_dynamic_scale_from_partials_or_one_atomic_word(path, M, K, device, monkeypatch):
+    """The dynamic scale's absmax pass leaves one maximum per program for the quantize kernels to
+    reduce (up to ``MAX_ABSMAX_PARTIALS`` programs: no zero fill) or folds them into one zeroed
+    word with atomics; both give the reference's global scale and codes, in the quantizer and in
+    the one-kernel quantize-to-bf16, for grids of 1 to 8 programs (300 x 64: 3 row groups)."""
+    import fp4moe.ops.quantize as opsq
+
+    if path == "atomic":
+        monkeypatch.setattr(opsq, "MAX_ABSMAX_PARTIALS", 0)
+    cfg = QuantizeConfig.from_heuristic(M, K)
+    assert (opsq._absmax_programs(M, K, cfg) <= opsq.MAX_ABSMAX_PARTIALS) == (path == "partials")
+    x = normal(M, K, _gen(M + K)) * 5
+    x[-1, -1] = -40.0  # the maximum in the last program
+    check(x.to(device))
+    x_hat, g = fake_quantize_activations(x.to(device))
+    want, want_g = dequantize_activations(quantize_activations_reference(x.to(device)))
+    assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16)) and torch.equal(g, want_g)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,17 +591,18 @@ results = []
 for cc in json.loads(sys.argv[1]):
     target = GPUTarget("cuda", cc, 32)
     sig = {"x_ptr": "*bf16", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
-           "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "BLOCK_M": "constexpr",
+           "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "n_part": "i32", "BLOCK_M": "constexpr",
            "BLOCK_K": "constexpr", "DYNAMIC": "constexpr", "SM86": "constexpr",
-           "EMULATE_FMA": "constexpr"}
+           "EMULATE_FMA": "constexpr", "BLOCK_P": "constexpr"}
     consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "DYNAMIC": True, "SM86": cc >= 86,
-              "EMULATE_FMA": False}
+              "EMULATE_FMA": False, "BLOCK_P": 1}
     attrs = {(i,): div16 for i in (0, 1, 2, 3, 4, 6, 7)}
     quant = triton.compile(ASTSource(nvfp4_quantize_kernel, sig, consts, attrs), target=target,
                            options={"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg})
     sig = {"x_ptr": "*bf16", "amax_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
-           "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ROW_STEPS": "constexpr"}
-    consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "ROW_STEPS": 4}
+           "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ROW_STEPS": "constexpr", "PARTIALS": "constexpr",
+           "PDL": "constexpr"}
+    consts = {"BLOCK_M": cfg.block_m, "BLOCK_K": cfg.block_k, "ROW_STEPS": 4, "PARTIALS": False, "PDL": cc >= 90}
     amax = triton.compile(ASTSource(absmax_kernel, sig, consts, {(0,): div16, (4,): div16}),
                           target=target, options={"num_warps": cfg.num_warps})
     sig = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",

@@ -103,16 +103,21 @@ def fma_rn(a, b, c, EMULATE_FMA: tl.constexpr):
 @triton.jit
 def absmax_kernel(
     x_ptr,     # [M, K] bf16/fp16/fp32, rows stride_xm apart, last dim contiguous
-    amax_ptr,  # [] int32: bits of the fp32 max |x|; the launcher zeroes it
+    amax_ptr,  # int32 bits of fp32 maxima: [] zeroed by the launcher, or [programs] (PARTIALS)
     M, K, stride_xm,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROW_STEPS: tl.constexpr, PARTIALS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """max |x| over the whole tensor, for the dynamic global scale.
 
     Grid: (cdiv(M, BLOCK_M * ROW_STEPS), cdiv(K, BLOCK_K)). One program reduces ROW_STEPS
     tiles of [BLOCK_M, BLOCK_K] stacked along M and folds the result in with one integer
-    atomic max (non-negative fp32 values are ordered like their bit patterns).
+    atomic max (non-negative fp32 values are ordered like their bit patterns), or with PARTIALS
+    stores it as its own entry (row-major over the grid), which the quantize kernels reduce
+    themselves (:func:`_global_scale`): no zeroed word, so no fill kernel before this one, for
+    grids small enough that every quantize program can read them all.
     """
+    pdl_enter(PDL)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
     for step in tl.static_range(ROW_STEPS):
@@ -120,7 +125,11 @@ def absmax_kernel(
         mask = (rows < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-    tl.atomic_max(amax_ptr, tl.max(tl.max(acc, axis=1), axis=0).to(tl.int32, bitcast=True))
+    bits = tl.max(tl.max(acc, axis=1), axis=0).to(tl.int32, bitcast=True)
+    if PARTIALS:
+        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), bits)
+    else:
+        tl.atomic_max(amax_ptr, bits)
 
 
 @triton.jit
@@ -580,11 +589,11 @@ def nvfp4_quantize_kernel(
     x_ptr,       # [M, K] bf16/fp16/fp32, rows stride_xm apart, last dim contiguous
     data_ptr,    # [M, K // 8] int32 (the [M, K // 2] uint8 codes), contiguous: element 2j in the low nibble of byte j
     scales_ptr,  # [M, K // 16] uint8, contiguous: E4M3 bits of the block scales
-    scale_ptr,   # [] fp32: the global scale g, or max |x| when DYNAMIC
+    scale_ptr,   # [] fp32: the global scale g, or max |x| when DYNAMIC ([n_part] partial maxima: BLOCK_P > 1)
     gs_out_ptr,  # [] fp32: receives g when DYNAMIC (untouched otherwise)
-    M, K, stride_xm,
+    M, K, stride_xm, n_part,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    DYNAMIC: tl.constexpr, SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
+    DYNAMIC: tl.constexpr, SM86: tl.constexpr, EMULATE_FMA: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Quantize x to NVFP4 (E2M1 codes, one E4M3 scale per 16 elements, an fp32 global scale g).
 
@@ -593,9 +602,9 @@ def nvfp4_quantize_kernel(
     data[those rows, BLOCK_K/8 words] and scales[those rows, BLOCK_K/16] (:func:`_quantize_tile`).
     Per block: scale = e4m3(clamp(amax_b / (6 g), 2**-9, 448)), 1.0 when amax_b is 0; each
     element's code = e2m1(x / (fp32(scale) * g)).
-    DYNAMIC: scale_ptr holds amax and every program derives the same g = amax / 2688 from it
-    (a correctly rounded division, as ``fp4moe.quantize`` does on every device); program (0, 0)
-    stores g. SM86: the target has ``max.xorsign.abs.bf16x2`` (block maxima of bf16 in fewer
+    DYNAMIC: scale_ptr holds amax (BLOCK_P > 1: ``absmax_kernel``'s n_part partial maxima) and
+    every program derives the same g = amax / 2688 from it (a correctly rounded division, as
+    ``fp4moe.quantize`` does on every device); program (0, 0) stores g. SM86: the target has ``max.xorsign.abs.bf16x2`` (block maxima of bf16 in fewer
     instructions). EMULATE_FMA: exact fused multiply-adds for the interpreter.
 
     Offsets inside a tile are int32; only the tile's base offset is int64. Tiles that end
@@ -603,20 +612,20 @@ def nvfp4_quantize_kernel(
     16 bytes), take the masked variant; the others store 16-byte code words and 2-byte scales.
     """
     _quantize_program(x_ptr, data_ptr, scales_ptr, scale_ptr, gs_out_ptr, gs_out_ptr, gs_out_ptr, M, K, stride_xm,
-                      0, 1, BLOCK_M, BLOCK_K, DYNAMIC, SM86, EMULATE_FMA, False, False, 1)
+                      0, 1, n_part, BLOCK_M, BLOCK_K, DYNAMIC, SM86, EMULATE_FMA, False, False, 1, BLOCK_P)
 
 
 @triton.jit
 def nvfp4_fake_quantize_kernel(
     x_ptr,       # [M, K] bf16/fp16/fp32, rows stride_xm apart, last dim contiguous
     out_ptr,     # [M, K] bf16 (rows stride_om apart): code value * block scale, without the global scales
-    scale_ptr,   # [] fp32: the global scale g, or max |x| when DYNAMIC
+    scale_ptr,   # [] fp32: the global scale g, or max |x| when DYNAMIC ([n_part] partial maxima: BLOCK_P > 1)
     wg_ptr,      # [G] fp32: the weight's global scales (HAS_WG; one, or one per expert), else unused
     g_out_ptr,   # [G] fp32: receives g * wg (or [1]: g)
-    M, K, stride_xm, stride_om, G,
+    M, K, stride_xm, stride_om, G, n_part,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DYNAMIC: tl.constexpr, SM86: tl.constexpr, EMULATE_FMA: tl.constexpr,
-    HAS_WG: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr,
+    HAS_WG: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """``nvfp4_quantize_kernel`` then ``nvfp4_dequantize_kernel`` in one pass, for the W4A4 path of
     GPUs without FP4 MMA: the same tiles, scales and codes, but each program writes its codes'
@@ -626,14 +635,15 @@ def nvfp4_fake_quantize_kernel(
     fewer; PDL: waits for the kernel before it, then lets the GEMM after it launch."""
     pdl_enter(PDL)
     _quantize_program(x_ptr, out_ptr, out_ptr, scale_ptr, g_out_ptr, wg_ptr, g_out_ptr, M, K, stride_xm,
-                      stride_om, G, BLOCK_M, BLOCK_K, DYNAMIC, SM86, EMULATE_FMA, True, HAS_WG, BLOCK_G)
+                      stride_om, G, n_part, BLOCK_M, BLOCK_K, DYNAMIC, SM86, EMULATE_FMA, True, HAS_WG, BLOCK_G,
+                      BLOCK_P)
 
 
 @triton.jit
 def _quantize_program(x_ptr, dst_ptr, scales_ptr, scale_ptr, gs_out_ptr, wg_ptr, g_out_ptr, M, K, stride_xm,
-                      stride_om, G, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DYNAMIC: tl.constexpr,
+                      stride_om, G, n_part, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DYNAMIC: tl.constexpr,
                       SM86: tl.constexpr, EMULATE_FMA: tl.constexpr, FAKE: tl.constexpr, HAS_WG: tl.constexpr,
-                      BLOCK_G: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr):
     """One program of either kernel: the tile x[BLOCK_M rows, BLOCK_K columns] of program
     (pid_m, pid_k), quantized and stored as codes and scales (dst_ptr: int32 words, scales_ptr), or
     FAKE as their bf16 values (dst_ptr: rows stride_om apart) with program (0, 0) storing g * wg to
@@ -654,7 +664,7 @@ def _quantize_program(x_ptr, dst_ptr, scales_ptr, scale_ptr, gs_out_ptr, wg_ptr,
     if full:
         # the tile's loads go out before anything waits on g (one memory round trip per program, not two)
         r0, r1, r2, r3 = _load_tile(x_tile, rows_left, nblocks_left, stride_xm, BLOCK_M, BLOCK_K, False)
-        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC, not FAKE)
+        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), n_part, DYNAMIC, not FAKE, BLOCK_P)
         words_per_row = tl.multiple_of(words_per_row, 4)  # K % 32 == 0: rows start on 16 bytes
         scales_per_row = tl.multiple_of(scales_per_row, 2)
         dst_tile, scales_tile = _tile_pointers(dst_ptr, scales_ptr, row0, pid_k, words_per_row, scales_per_row,
@@ -671,7 +681,7 @@ def _quantize_program(x_ptr, dst_ptr, scales_ptr, scale_ptr, gs_out_ptr, wg_ptr,
                             BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, MASKED=False, FAST=False, SM86=SM86,
                             EMULATE_FMA=EMULATE_FMA, FAKE=FAKE)
     else:
-        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), DYNAMIC, not FAKE)
+        g = _global_scale(scale_ptr, gs_out_ptr, (pid_m == 0) & (pid_k == 0), n_part, DYNAMIC, not FAKE, BLOCK_P)
         dst_tile, scales_tile = _tile_pointers(dst_ptr, scales_ptr, row0, pid_k, words_per_row, scales_per_row,
                                                stride_om, BLOCK_K, FAKE)
         if _fast_range(g):
@@ -688,7 +698,7 @@ def _quantize_program(x_ptr, dst_ptr, scales_ptr, scale_ptr, gs_out_ptr, wg_ptr,
                             EMULATE_FMA=EMULATE_FMA, FAKE=FAKE)
     if FAKE:
         if (pid_m == 0) & (pid_k == 0):
-            g = _global_scale(scale_ptr, gs_out_ptr, False, DYNAMIC, False)
+            g = _global_scale(scale_ptr, gs_out_ptr, False, n_part, DYNAMIC, False, BLOCK_P)
             if HAS_WG:  # BLOCK_G >= G
                 offs = tl.arange(0, BLOCK_G)
                 tl.store(g_out_ptr + offs, g * tl.load(wg_ptr + offs, mask=offs < G, other=0.0), mask=offs < G)
@@ -724,10 +734,18 @@ def _quantize_store(r0, r1, r2, r3, g, dst_tile, scales_tile, rows_left, nblocks
 
 
 @triton.jit
-def _global_scale(scale_ptr, gs_out_ptr, first, DYNAMIC: tl.constexpr, STORE: tl.constexpr):
-    """g from scale_ptr; DYNAMIC: scale_ptr holds amax, g = amax / (6 * 448) (correctly rounded),
-    1.0 when amax is 0, and with STORE the ``first`` program stores it to gs_out_ptr."""
-    g = tl.load(scale_ptr)
+def _global_scale(scale_ptr, gs_out_ptr, first, n_part, DYNAMIC: tl.constexpr, STORE: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """g from scale_ptr; DYNAMIC: scale_ptr holds amax (BLOCK_P > 1: the n_part <= BLOCK_P partial
+    maxima of ``absmax_kernel``'s PARTIALS, reduced here as the atomics would: an integer maximum of
+    their bits), g = amax / (6 * 448) (correctly rounded), 1.0 when amax is 0, and with STORE the
+    ``first`` program stores it to gs_out_ptr."""
+    if DYNAMIC and BLOCK_P > 1:
+        offs = tl.arange(0, BLOCK_P)
+        part = tl.load(scale_ptr.to(tl.pointer_type(tl.int32)) + offs, mask=offs < n_part, other=0)
+        g = tl.max(part, axis=0).to(tl.float32, bitcast=True)
+    else:
+        g = tl.load(scale_ptr)
     if DYNAMIC:
         g = tl.where(g > 0, tl.math.div_rn(g, 2688.0), 1.0)
         if STORE:

@@ -149,9 +149,9 @@ def quantize_activations(
         gs = (torch.empty if M and K else torch.ones)((), dtype=torch.float32, device=x.device)
     if M and K:
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            scale_in, launch = _scale_in(x2, None if dynamic else gs, cfg)
+            scale_in, n_part, launch = _scale_in(x2, None if dynamic else gs, cfg)
             nvfp4_quantize_kernel[_grid(M, K, cfg)](x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
-                                                    DYNAMIC=dynamic, **launch)
+                                                    n_part, DYNAMIC=dynamic, **launch)
     return FP4Tensor(
         data=data.reshape(*lead, K // 2),
         scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),
@@ -185,10 +185,10 @@ def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor | floa
         if M == 0 or K == 0:  # no tile to run: g from the given scale, or the reference's 1.0 for empty x
             g.copy_((gs if gs is not None else torch.ones((), device=x.device)) * (wg if wg is not None else 1.0))
             return out, g
-        scale_in, launch = _scale_in(x2, gs, cfg)
+        scale_in, n_part, launch = _scale_in(x2, gs, cfg)
         launch.pop("maxnreg", None)  # the 64-register cap is the quantize kernel's (its codes' registers)
         nvfp4_fake_quantize_kernel[_grid(M, K, cfg)](
-            x2, out, scale_in, wg if wg is not None else scale_in, g, M, K, x2.stride(0), out.stride(0), g.numel(),
+            x2, out, scale_in, wg if wg is not None else scale_in, g, M, K, x2.stride(0), out.stride(0), g.numel(), n_part,
             DYNAMIC=dynamic, HAS_WG=wg is not None, BLOCK_G=triton.next_power_of_2(g.numel()),
             **launch, **pdl_kwargs(x.device))
     return out, g
@@ -227,20 +227,45 @@ def _grid(M: int, K: int, cfg: QuantizeConfig) -> tuple[int, int]:
     return triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k)
 
 
-def _scale_in(x2: torch.Tensor, gs: torch.Tensor | None, cfg: QuantizeConfig) -> tuple[torch.Tensor, dict]:
-    """What the quantize kernels read as their scale (the given global scale, or amax(|x|) reduced
-    now by ``absmax_kernel`` when gs is None) and their launch options for x2 (M, K > 0)."""
+#: the most partial maxima the dynamic scale's absmax pass leaves for each quantize program to
+#: reduce; above, one word zeroed first and atomics (``absmax_partials``)
+MAX_ABSMAX_PARTIALS = 64
+
+
+def absmax_partials(M: int, K: int, cfg: QuantizeConfig) -> int:
+    """How many maxima ``absmax_kernel`` leaves for x [M, K] under ``cfg``: one per program (its grid)
+    when that is at most ``MAX_ABSMAX_PARTIALS``, which the quantize kernels then reduce themselves
+    (no zero-filled word, no atomics: one kernel fewer ahead of the quantizer, which matters at decode
+    sizes); else 1, the atomic maximum of a zeroed word."""
+    n = _absmax_programs(M, K, cfg)
+    return n if n <= MAX_ABSMAX_PARTIALS else 1
+
+
+def _absmax_programs(M: int, K: int, cfg: QuantizeConfig) -> int:
+    return triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS) * triton.cdiv(K, cfg.block_k)
+
+
+def _scale_in(x2: torch.Tensor, gs: torch.Tensor | None, cfg: QuantizeConfig) -> tuple[torch.Tensor, int, dict]:
+    """What the quantize kernels read as their scale: the given global scale, or when gs is None
+    amax(|x|) reduced now by ``absmax_kernel`` (launched with PDL where the device has it), as one
+    word or as ``absmax_partials`` maxima; how many there are; the kernels' launch options for x2
+    (M, K > 0), ``BLOCK_P`` included."""
     M, K = x2.shape
     tile = dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps)
+    n_part = 1
     if gs is None:
-        amax_bits = torch.zeros((), dtype=torch.int32, device=x2.device)
+        n_part = absmax_partials(M, K, cfg)
+        partials = _absmax_programs(M, K, cfg) <= MAX_ABSMAX_PARTIALS
+        amax_bits = (torch.empty if partials else torch.zeros)((n_part,), dtype=torch.int32, device=x2.device)
         absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
-        absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, **tile)
+        absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, PARTIALS=partials,
+                                   **tile, **pdl_kwargs(x2.device))
         gs = amax_bits.view(torch.float32)
     arch = device_arch(x2.device)
     # the register cap is a compile option (the interpreter has none)
     cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None and not _EMULATE_FMA else {}
-    return gs, dict(SM86=arch is not None and arch.has_xorsign_abs_max, EMULATE_FMA=_EMULATE_FMA, **tile, **cap)
+    return gs, n_part, dict(SM86=arch is not None and arch.has_xorsign_abs_max, EMULATE_FMA=_EMULATE_FMA,
+                            BLOCK_P=triton.next_power_of_2(n_part), **tile, **cap)
 
 
 def _check_weight_globals(wg: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

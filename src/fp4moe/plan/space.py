@@ -800,13 +800,17 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         """The request, built from the kernel's parameter list as it stands in its source file
         (``values_out``: the fake-quantize kernel, uncapped as its launcher runs it, with weight
         globals for up to 256 experts, the MoE's case)."""
+        from ..ops.quantize import absmax_partials
+
         types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
-                 "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
+                 "gs_out_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "n_part": "i32",
                  "out_ptr": "*bf16", "wg_ptr": "*fp32", "g_out_ptr": "*fp32", "stride_om": "i32", "G": "i32"}
+        # a dynamic scale at decode sizes arrives as the absmax pass's partial maxima, as the launcher does it
+        n_part = absmax_partials(problem.M, problem.K, config) if problem.dynamic else 1
         values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
                   "SM86": arch.has_xorsign_abs_max,  # as the launcher sets it from the device
                   "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
-                  "HAS_WG": True, "BLOCK_G": 256, "PDL": arch.has_pdl}
+                  "HAS_WG": True, "BLOCK_G": 256, "PDL": arch.has_pdl, "BLOCK_P": _pow2_at_least(n_part)}
         if problem.values_out:
             return _source_request(self.name, _FAKE_QUANTIZE_KERNEL, types, values,
                                    ("x_ptr", "out_ptr", "K", "stride_xm", "stride_om"), arch, config.num_warps)
