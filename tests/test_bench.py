@@ -207,6 +207,38 @@ def test_clock_monitor_without_nvml_is_empty(monkeypatch):
         time_cuda_graphs({})
 
 
+def test_joint_timing_falls_back_to_one_call_at_a_time(monkeypatch):
+    """Where timing the calls together fails, each is timed alone and the rows say "separate"; a
+    call that fails alone keeps its error without costing the others their times."""
+    import sys
+
+    from fp4moe.bench import linear as bl
+    from fp4moe.bench.timing import TimingResult
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML here: no clock context
+
+    def joint(calls, **kw):
+        raise RuntimeError("capture ran out of memory")
+
+    def alone(call, **kw):
+        return call()
+
+    monkeypatch.setattr(bl, "time_cuda_graphs", joint)
+    monkeypatch.setattr(bl, "time_cuda_graph", alone)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)  # nothing to free without a GPU
+    ok = TimingResult(median_us=5.0, p10_us=4.0, p90_us=6.0, n=3)
+
+    def broken():
+        raise MemoryError("baseline")
+
+    times, clocks, how = bl._time_together({"w4a16": lambda: ok, "torch": broken}, {"reps": 3})
+    assert how == "separate" and clocks == {}
+    assert times["w4a16"] is ok and isinstance(times["torch"], MemoryError)
+    monkeypatch.setattr(bl, "time_cuda_graphs", lambda calls, **kw: {k: ok for k in calls})
+    times, _, how = bl._time_together({"w4a16": lambda: ok}, {"reps": 3})
+    assert how == "interleaved" and times == {"w4a16": ok}
+
+
 # ------------------------------------------------------------------------------------------
 # on a GPU
 

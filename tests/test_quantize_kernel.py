@@ -548,15 +548,36 @@ def test_fake_quantize_is_quantize_then_dequantize(M, K, global_scale, weight_gl
     assert torch.equal(g, want_g)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fake_quantize_other_dtypes_and_strides(dtype, device):
-    """fp16 and fp32 x (read as elements, not pairs) and a non-contiguous x give the same values as
-    the two kernels."""
+    """bf16 (read as pairs), fp16 and fp32 x (read as elements), a column-major x (copied first), and
+    rows farther apart than K (read in place: the output's rows are K apart, x's are not) give the
+    same values as the two kernels; so do global scales outside the divisions' fast range (1e-30,
+    1e31: exact divisions throughout)."""
     x = (near_boundaries(6, 320, _gen(3), 0.37)).to(device=device, dtype=dtype)
-    for xx in (x, x.t().contiguous().t()):
-        x_hat, g = fake_quantize_activations(xx, 0.37)
-        want, want_g = dequantize_activations(quantize_activations(xx, 0.37))
+    wide = torch.zeros(6, 320 + 64, device=device, dtype=dtype)
+    wide[:, :320] = x
+    for xx, scale in ((x, 0.37), (x.t().contiguous().t(), 0.37), (wide[:, :320], 0.37), (wide[:, :320], None),
+                      (x, 1e-30), (x, 1e31)):
+        x_hat, g = fake_quantize_activations(xx, scale)
+        want, want_g = dequantize_activations(quantize_activations(xx, scale))
         assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16)) and torch.equal(g, want_g)
+    assert wide[:, :320].stride(0) == 384  # read in place, not copied: the strided case is tested
+
+
+def test_bf16_rows_off_four_bytes_are_copied(device):
+    """The quantize kernels read bf16 as int32 pairs: x starting 2 bytes off a 4-byte boundary is
+    copied first, one row included (a decode batch's x can be such a view)."""
+    from fp4moe.ops.quantize import _prepare
+
+    base = torch.randn(1, 16 * 3 + 1, device=device, dtype=torch.bfloat16)
+    x = base[:, 1:]
+    assert x.data_ptr() % 4 == 2
+    x2 = _prepare(x, 0.5, False, None)[0]
+    assert x2.data_ptr() % 4 == 0 and torch.equal(x2, x)
+    x_hat, _ = fake_quantize_activations(x, 0.5)
+    want, _ = dequantize_activations(quantize_activations(x.contiguous(), 0.5))
+    assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16))
 
 
 def test_fake_quantize_refuses_what_it_cannot_read(device):

@@ -113,7 +113,7 @@ def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None, 
 
 def _linear_row(shape: str, M: int, mode: str, fmt: str) -> dict[str, Any]:
     keys = ("us", "p10_us", "p90_us", "torch_us", "speedup", "weight_gbs", "tflops", "frac_weight_bound",
-            "frac_roofline", "sm_mhz", "power_w", "power_capped", "graph", "config", "error")
+            "frac_roofline", "sm_mhz", "power_w", "power_capped", "graph", "timing", "config", "error")
     return {"kind": "linear", "shape": shape, "M": M, "mode": mode, "fmt": fmt, **dict.fromkeys(keys)}
 
 
@@ -201,9 +201,11 @@ def run_linear_bench(
             if torch_call is not None:
                 calls["torch"] = torch_call
             timing = _timing_kwargs(reps, iters_per_graph, budget_ms, max(len(fp4_sets), len(bf16_sets)))
-            times, clocks = _time_together(calls, timing)
+            times, clocks, how = _time_together(calls, timing)
             torch_t = times.get("torch")
             torch_us = torch_t.median_us if isinstance(torch_t, TimingResult) else None
+            if isinstance(torch_t, TimingResult) and not torch_t.graph:
+                how += ", torch eager"  # its capture failed: its time includes launches
             for mode in modes:
                 row = m_rows[mode]
                 row["torch_us"] = torch_us
@@ -211,7 +213,7 @@ def run_linear_bench(
                 if isinstance(t, BaseException):
                     row["error"] = _error(t)
                 elif t is not None:
-                    row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph,
+                    row.update(us=t.median_us, p10_us=t.p10_us, p90_us=t.p90_us, graph=t.graph, timing=how,
                                config=_config(M, N, K, mode, chip, sm_count, fmt, l2), **clocks)
                     row.update(linear_metrics(M, N, K, fmt, mode, t.median_us, ceilings, torch_us))
                 rows.append(row)
@@ -252,27 +254,30 @@ def _torch_timed_call(x: Any, sets: Sequence[tuple[Any]], N: int) -> Callable[[]
 
 
 def _time_together(calls: Mapping[str, Callable[[], Any]], timing: Mapping[str, Any],
-                   ) -> tuple[dict[str, TimingResult | BaseException], dict[str, float]]:
+                   ) -> tuple[dict[str, TimingResult | BaseException], dict[str, float], str]:
     """Every call timed with its replays interleaved (``time_cuda_graphs``: the same clocks for the
-    FP4 modes and the torch baseline), plus the clocks NVML saw meanwhile. Where the joint timing
-    fails, each call is timed alone, so one failing call costs only its own row."""
+    FP4 modes and the torch baseline), the clocks NVML saw meanwhile, and how they were timed
+    ("interleaved", or "separate" where the joint timing failed and each call was timed alone, so
+    that one failing call costs only its own row; the rows say so, as their clocks may differ)."""
     import torch
 
     if not calls:
-        return {}, {}
+        return {}, {}, "interleaved"
+    times: dict[str, TimingResult | BaseException] = {}
+    how = "interleaved"
     with ClockMonitor() as monitor:
         try:
-            times: dict[str, TimingResult | BaseException] = dict(time_cuda_graphs(calls, **timing))
+            times.update(time_cuda_graphs(calls, **timing))
         except Exception:
             torch.cuda.empty_cache()
-            times = {}
+            how = "separate"
             for name, call in calls.items():
                 try:
                     times[name] = time_cuda_graph(call, **timing)
                 except Exception as err:  # the torch baseline is context: its failure leaves torch_us None
                     times[name] = err
                     torch.cuda.empty_cache()
-    return times, monitor.summary()
+    return times, monitor.summary(), how
 
 
 def _bf16_sets(w: Any, l2: int) -> list[tuple[Any]]:

@@ -103,7 +103,7 @@ def run_moe_bench(
                                "oea_k0": k0, "scope": None, "us": None, "unique_experts": None, "bound_us": None,
                                "frac_weight_bound": None, "tflops": None, "torch_us": None, "speedup": None,
                                "kept_weight": None, "sm_mhz": None, "power_w": None, "power_capped": None,
-                               "error": None}
+                               "timing": None, "error": None}
         try:
             x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             if route is not None:
@@ -139,6 +139,7 @@ def run_moe_bench(
                 offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
                 calls["torch"] = lambda: _grouped_mm_layer(x_sorted, w13t, w2t, offs, I)
             # replays interleaved: the baseline under the same clocks (timing.time_cuda_graphs)
+            row["timing"] = "interleaved" if "torch" in calls else "alone"
             with ClockMonitor() as monitor:
                 try:
                     times = time_cuda_graphs(calls, iters_per_graph=10, reps=15, budget_ms=600.0)
@@ -147,6 +148,7 @@ def run_moe_bench(
                         raise
                     torch.cuda.empty_cache()
                     times = time_cuda_graphs({"fp4": fn}, iters_per_graph=10, reps=15, budget_ms=600.0)
+                    row["timing"] = "alone (the joint timing with grouped_mm failed)"
             t = times["fp4"]
             bound = moe_bound_us(unique, H, I, fmt, float(ceilings["copy_gbs"]))
             flops = 2.0 * M * k * 3 * I * H

@@ -235,6 +235,11 @@ class ClockMonitor:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()  # NVML counts its inits: one shutdown per init
+            except Exception:
+                pass
 
     def summary(self) -> dict[str, float]:
         if not self.samples:

@@ -599,7 +599,7 @@ def nvfp4_quantize_kernel(
 
     Grid: (cdiv(M, BLOCK_M), cdiv(K, BLOCK_K)); BLOCK_K >= 32. One program quantizes the tile
     x[BLOCK_M rows, BLOCK_K columns], i.e. BLOCK_M x BLOCK_K/16 blocks, and writes
-    data[those rows, BLOCK_K/8 words] and scales[those rows, BLOCK_K/16] (:func:`_quantize_tile`).
+    data[those rows, BLOCK_K/8 words] and scales[those rows, BLOCK_K/16] (:func:`_quantize_program`).
     Per block: scale = e4m3(clamp(amax_b / (6 g), 2**-9, 448)), 1.0 when amax_b is 0; each
     element's code = e2m1(x / (fp32(scale) * g)).
     DYNAMIC: scale_ptr holds amax (BLOCK_P > 1: ``absmax_kernel``'s n_part partial maxima) and

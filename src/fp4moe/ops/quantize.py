@@ -172,7 +172,9 @@ def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor | floa
     Returns ``(x_hat, g)``: x_hat [M, K] bf16 = e2m1(code) * e4m3(block scale), without the global
     scale; g fp32 = the activations' global scale (given, or amax(|x|) / 2688 computed on the
     device) times ``weight_global_scale`` (1..``MAX_WEIGHT_GLOBALS`` values, its shape), or [1]
-    without it. Launched with PDL where the device has it, so the GEMM after it launches early."""
+    without it. Launched with PDL where the device has it, so the GEMM after it launches early.
+    ``config`` pins the tile as for the quantizer; its register cap (``maxnreg``) is not applied:
+    this kernel holds its chunk's 32 values too (72 registers, no spills, on SM90)."""
     x2, lead, gs, cfg = _prepare(x, global_scale, False, config)
     if len(lead) != 1:
         raise ValueError(f"x: expected 2-D activations [M, K], got shape {tuple(x.shape)}")
@@ -218,7 +220,7 @@ def _prepare(x: torch.Tensor, global_scale: torch.Tensor | float | None, check_f
     x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x2.dtype == torch.bfloat16 and M > 1 and (x2.data_ptr() % 4 or x2.stride(0) % 2):
+    if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (M > 1 and x2.stride(0) % 2)):
         x2 = x2.clone(memory_format=torch.contiguous_format)  # the kernel reads bf16 pairs as int32 words
     return x2, lead, gs, config or QuantizeConfig.from_heuristic(max(M, 1), K, x2.dtype)
 
