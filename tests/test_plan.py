@@ -460,7 +460,7 @@ def test_w4a4_plan_lists_the_activation_kernels():
                           (4096, "quantize x (NVFP4 -> bf16)"), (4096, "quantize h (NVFP4)"),
                           (4096, "dequantize h (bf16)")}
     h1 = chain[(1, "quantize h (NVFP4 -> bf16)")].problem
-    assert (h1.M, h1.K, h1.values_out, h1.dynamic) == (8, 2048, True, True)
+    assert (h1.M, h1.K, h1.values_out, h1.dynamic, h1.weight_globals) == (8, 2048, True, True, 256)
     assert chain[(4096, "quantize x (NVFP4 -> bf16)")].problem.values_out  # GEMM 1 gathers x's order
     assert chain[(4096, "dequantize h (bf16)")].problem.mma_order  # GEMM 2 on the wgmma kernel
     rows = plan_model(glm, arch="sm120", tokens=(1,), mode="w4a4", compile=False)
@@ -504,6 +504,14 @@ def test_fake_quantize_plans_legal_on_every_generation(cc, cache):
     assert req.kernel.endswith(":nvfp4_fake_quantize_kernel") and req.maxnreg is None
     assert list(req.signature) == [n for n, c in params if not c]
     assert req.constexprs["PDL"] == (cc >= 90)
+    # the weight globals as the launcher passes them: one (a linear), one per expert, or torch's product
+    assert (req.constexprs["HAS_WG"], req.constexprs["BLOCK_G"]) == (True, 1)
+    for globals_, want in ((256, (True, 256)), (160, (True, 256)), (2048, (False, 1)), (0, (False, 1))):
+        c = get_kernel("nvfp4_quantize").compile_request(r.config, replace(problem, weight_globals=globals_),
+                                                         get_arch(cc)).constexprs
+        assert (c["HAS_WG"], c["BLOCK_G"]) == want, globals_
+    # a dynamic scale at this size arrives as the absmax pass's partial maxima (ops.quantize.absmax_partials)
+    assert req.constexprs["BLOCK_P"] == 16 and req.constexprs["DYNAMIC"]
 
 
 # ------------------------------------------------------------------------------ cache and compiler

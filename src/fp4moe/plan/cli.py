@@ -106,14 +106,15 @@ def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
     ``ops.moe._w4a4_activations``)."""
     from .space import DequantizeProblem, QuantizeProblem
 
-    def chain(name: str, M: int, K: int, reader: str) -> list:
+    def chain(name: str, M: int, K: int, reader: str, globals_: int = 1) -> list:
         if reader in ("fp4_linear", "fp4_moe_gemm"):
             return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K)))]
         if reader in ("fp4_linear_mma", "fp4_moe_mma", "gather"):
-            return [(f"quantize {name} (NVFP4 -> bf16)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K,
-                                                                                             values_out=True)))]
+            return [(f"quantize {name} (NVFP4 -> bf16)", ("nvfp4_quantize", QuantizeProblem(
+                M=M, K=K, values_out=True, weight_globals=globals_)))]
         return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K))),
-                (f"dequantize {name} (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=M, K=K, mma_order=True)))]
+                (f"dequantize {name} (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=M, K=K, mma_order=True,
+                                                                                    weight_globals=globals_)))]
 
     if not getattr(model, "n_experts", 0):
         return chain("x", tokens, model.hidden, _linear_kernel(tokens, model.hidden, model.hidden, "w4a4", arch))
@@ -121,8 +122,9 @@ def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
     inter = model.expert_intermediate // tp
     kernel = _moe_kernel(model, moe_problem(model, tokens, 2, tp=tp, ep=ep, fmt="nvfp4", mode="w4a4", arch=arch),
                          arch)
-    return (chain("x", tokens, model.hidden, "gather" if kernel == "fp4_moe_wgmma" else kernel)
-            + chain("h", pairs, inter, kernel))
+    experts = max(1, model.n_experts // ep)  # one global scale per local expert (per-row ones: not in a preset)
+    return (chain("x", tokens, model.hidden, "gather" if kernel == "fp4_moe_wgmma" else kernel, experts)
+            + chain("h", pairs, inter, kernel, experts))
 
 
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:

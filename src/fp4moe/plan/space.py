@@ -696,7 +696,8 @@ class QuantizeProblem:
 
     ``dynamic``: the global scale is computed from amax on the device (a first, absmax pass).
     ``values_out``: the codes' bf16 values are written instead of the codes, for emulated W4A4
-    (``ops.quantize.fake_quantize_activations``: ``nvfp4_fake_quantize_kernel``, same tiles).
+    (``ops.quantize.fake_quantize_activations``: ``nvfp4_fake_quantize_kernel``, same tiles), with
+    g times ``weight_globals`` weight global scales (1 for a linear, the local experts for an MoE).
     """
 
     M: int
@@ -704,6 +705,7 @@ class QuantizeProblem:
     x_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     dynamic: bool = True
     values_out: bool = False
+    weight_globals: int = 1
 
     def __post_init__(self) -> None:
         _check_activations(self)
@@ -712,6 +714,17 @@ class QuantizeProblem:
 
     def __str__(self) -> str:
         return f"M={self.M} K={self.K} {self.x_dtype}" + (" -> bf16 values" if self.values_out else "")
+
+
+def _weight_globals_constexprs(weight_globals: int) -> dict[str, Any]:
+    """``HAS_WG``/``BLOCK_G`` as the activation launchers set them for that many weight global scales
+    (one for a linear, one per local expert): the kernel multiplies up to ``MAX_WEIGHT_GLOBALS``
+    of them into g; more (per-row globals) torch multiplies after it, and none gives g alone."""
+    from ..ops.quantize import MAX_WEIGHT_GLOBALS
+
+    if not 1 <= weight_globals <= MAX_WEIGHT_GLOBALS:
+        return {"HAS_WG": False, "BLOCK_G": 1}
+    return {"HAS_WG": True, "BLOCK_G": _pow2_at_least(weight_globals)}
 
 
 _QUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_quantize_kernel")
@@ -798,8 +811,8 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
 
     def compile_request(self, config, problem: QuantizeProblem, arch: Arch) -> CompileRequest:
         """The request, built from the kernel's parameter list as it stands in its source file
-        (``values_out``: the fake-quantize kernel, uncapped as its launcher runs it, with weight
-        globals for up to 256 experts, the MoE's case)."""
+        (``values_out``: the fake-quantize kernel, uncapped as its launcher runs it, with the
+        problem's weight globals)."""
         from ..ops.quantize import absmax_partials
 
         types = {"x_ptr": f"*{problem.x_dtype}", "data_ptr": "*i32", "scales_ptr": "*u8", "scale_ptr": "*fp32",
@@ -810,7 +823,8 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         values = {"BLOCK_M": config.block_m, "BLOCK_K": config.block_k, "DYNAMIC": problem.dynamic,
                   "SM86": arch.has_xorsign_abs_max,  # as the launcher sets it from the device
                   "EMULATE_FMA": False,  # compiled CUDA has a fused multiply-add
-                  "HAS_WG": True, "BLOCK_G": 256, "PDL": arch.has_pdl, "BLOCK_P": _pow2_at_least(n_part)}
+                  "PDL": arch.has_pdl, "BLOCK_P": _pow2_at_least(n_part),
+                  **_weight_globals_constexprs(problem.weight_globals)}
         if problem.values_out:
             return _source_request(self.name, _FAKE_QUANTIZE_KERNEL, types, values,
                                    ("x_ptr", "out_ptr", "K", "stride_xm", "stride_om"), arch, config.num_warps)
@@ -849,11 +863,13 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
 @dataclass(frozen=True)
 class DequantizeProblem:
     """NVFP4 activations [M, K] back to bf16 for emulated W4A4 (``ops.quantize.dequantize_activations``):
-    ``mma_order`` writes them padded to 64 in the packed weights' K order, for the wgmma kernel."""
+    ``mma_order`` writes them padded to 64 in the packed weights' K order, for the wgmma kernel;
+    ``weight_globals`` as ``QuantizeProblem``'s."""
 
     M: int
     K: int
     mma_order: bool = False
+    weight_globals: int = 1
 
     def __post_init__(self) -> None:
         _check_activations(self)
@@ -900,12 +916,13 @@ class DequantizeSpec(KernelSpec[DequantizeProblem, Any]):
         return SmemBreakdown(())  # one row per program: every tensor keeps one layout
 
     def compile_request(self, config, problem: DequantizeProblem, arch: Arch) -> CompileRequest:
-        """The request, built from the kernel's parameter list as it stands in its source file
-        (weight globals: one per expert of up to 256 experts, the MoE's case)."""
+        """The request, built from the kernel's parameter list as it stands in its source file, with
+        the problem's weight globals (``_weight_globals_constexprs``)."""
         types = {"data_ptr": "*u8", "scales_ptr": "*u8", "xg_ptr": "*fp32", "wg_ptr": "*fp32", "out_ptr": "*bf16",
                  "g_out_ptr": "*fp32", "M": "i32", "K": "i32", "K_OUT": "i32", "stride_dm": "i32",
                  "stride_sm": "i32", "stride_om": "i32", "G": "i32"}
-        values = {"BLOCK_K": config.block_k, "HAS_WG": True, "BLOCK_G": 256, "MMA_ORDER": problem.mma_order,
+        values = {"BLOCK_K": config.block_k, **_weight_globals_constexprs(problem.weight_globals),
+                  "MMA_ORDER": problem.mma_order,
                   "PDL": arch.has_pdl}
         return _source_request(self.name, _DEQUANTIZE_KERNEL, types, values, ("data_ptr", "scales_ptr", "out_ptr", "K"),
                                arch, config.num_warps)
