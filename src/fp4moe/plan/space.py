@@ -803,7 +803,9 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
         import torch
 
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[problem.x_dtype]
-        return QuantizeConfig.from_heuristic(problem.M, problem.K, dtype)
+        cfg = QuantizeConfig.from_heuristic(problem.M, problem.K, dtype)
+        # the register cap is the code-writing kernel's: fake_quantize_activations runs uncapped
+        return dataclasses.replace(cfg, maxnreg=None) if problem.values_out else cfg
 
     def smem_model(self, config, problem: QuantizeProblem, arch: Arch) -> SmemBreakdown:
         self.check_config(config)
