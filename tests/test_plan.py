@@ -446,45 +446,59 @@ def test_dequantize_plans_legal_on_every_generation(cc, cache):
 
 
 def test_w4a4_plan_lists_the_activation_kernels():
-    """``fp4moe plan --mode w4a4``: besides x's quantizer, the MoE's h is re-quantized. Without FP4
-    MMA (SM90) the packed kernels take bf16 values: the quantizer writes them itself where x's order
-    is read (the decode kernels, the MoE's GEMM 1 gather), and the dequantize kernel writes them in
-    MMA K order where GEMM 2 runs on the wgmma kernel; with FP4 MMA (SM120) nothing is dequantized."""
+    """``fp4moe plan --mode w4a4``: the experts' x and their SwiGLU output h are quantized, and so is
+    the input of every other FP4 linear (the shared expert's, the dense layers'), each as the kernel
+    reading it needs. Without FP4 MMA (SM90) the packed kernels take bf16 values: the quantizer
+    writes them itself where x's order is read (the decode kernels, the MoE's GEMM 1 gather), the
+    dequantize kernel in MMA K order where a wgmma kernel reads them (GEMM 2 and the linears at
+    prefill); with FP4 MMA (SM120) every input is quantized to codes and nothing is dequantized."""
     from fp4moe.models import get_model
     from fp4moe.plan.cli import plan_model
 
     glm = get_model("glm-5")
     rows = plan_model(glm, arch="sm90", tokens=(1, 4096), mode="w4a4", compile=False)
     chain = {(t, name): r for t, name, op, r in rows if op is None}
-    assert set(chain) == {(1, "quantize x (NVFP4 -> bf16)"), (1, "quantize h (NVFP4 -> bf16)"),
-                          (4096, "quantize x (NVFP4 -> bf16)"), (4096, "quantize h (NVFP4)"),
-                          (4096, "dequantize h (bf16)")}
+    linears = [name for t, name, op, _ in rows if op is not None and t == 1 and not name.startswith("experts")]
+    assert linears == ["shared.w13", "shared.w2", "dense.w13", "dense.w2"]
+    assert set(chain) == ({(1, "quantize x (NVFP4 -> bf16)"), (1, "quantize h (NVFP4 -> bf16)"),
+                           (4096, "quantize x (NVFP4 -> bf16)"), (4096, "quantize h (NVFP4)"),
+                           (4096, "dequantize h (bf16)")}
+                          | {(1, f"quantize {n} input (NVFP4 -> bf16)") for n in linears}
+                          | {(4096, f"{step} {n} input ({what})") for n in linears
+                             for step, what in (("quantize", "NVFP4"), ("dequantize", "bf16"))})
     h1 = chain[(1, "quantize h (NVFP4 -> bf16)")].problem
     assert (h1.M, h1.K, h1.values_out, h1.dynamic, h1.weight_globals) == (8, 2048, True, True, 256)
+    s2 = chain[(1, "quantize shared.w2 input (NVFP4 -> bf16)")].problem
+    assert (s2.M, s2.K, s2.dynamic, s2.weight_globals) == (1, 2048, False, 1)  # a checkpoint's static scale
     assert chain[(4096, "quantize x (NVFP4 -> bf16)")].problem.values_out  # GEMM 1 gathers x's order
     assert chain[(4096, "dequantize h (bf16)")].problem.mma_order  # GEMM 2 on the wgmma kernel
+    assert chain[(4096, "dequantize dense.w2 input (bf16)")].problem.K == 12288
     rows = plan_model(glm, arch="sm120", tokens=(1,), mode="w4a4", compile=False)
-    assert {name for _, name, op, _ in rows if op is None} == {"quantize x (NVFP4)", "quantize h (NVFP4)"}
+    assert {name for _, name, op, _ in rows if op is None} == (
+        {"quantize x (NVFP4)", "quantize h (NVFP4)"} | {f"quantize {n} input (NVFP4)" for n in linears})
 
 
-def test_w4a4_chain_of_a_dense_layer_follows_its_kernel():
-    """A dense layer's x: values from the quantizer for the decode kernel, codes then MMA-order
-    values for SM90's wgmma prefill, codes alone for the Triton kernel (SM80 prefill, SM120)."""
-    from types import SimpleNamespace
-
-    from fp4moe.plan.cli import _w4a4_chain
+def test_activation_chain_follows_its_reader():
+    """One input's chain per reading kernel: values from the quantizer for the decode kernels and the
+    MoE gather, codes then MMA-order values for the wgmma kernels, codes alone for the Triton kernels;
+    the linears' own kernel choice on SM90 and SM80 at decode and prefill."""
+    from fp4moe.plan.cli import _activation_chain, _linear_kernel
     from fp4moe.plan.planner import _resolve
 
-    dense = SimpleNamespace(hidden=6144)
+    def chain(reader):
+        return [(name, str(problem)) for name, (_, problem) in _activation_chain("x", 4, 6144, reader)]
 
-    def chain(arch, t):
-        return [(name, str(problem)) for name, (_, problem) in _w4a4_chain(dense, t, 1, 1, _resolve(arch, None)[0])]
-
-    assert chain("sm90", 1) == [("quantize x (NVFP4 -> bf16)", "M=1 K=6144 bf16 -> bf16 values")]
-    assert chain("sm90", 4096) == [("quantize x (NVFP4)", "M=4096 K=6144 bf16"),
-                                   ("dequantize x (bf16)", "M=4096 K=6144 MMA order")]
-    assert chain("sm80", 4096) == [("quantize x (NVFP4)", "M=4096 K=6144 bf16")]
-    assert chain("sm120", 1) == [("quantize x (NVFP4)", "M=1 K=6144 bf16")]
+    for reader in ("fp4_linear_mma", "fp4_moe_mma", "gather"):
+        assert chain(reader) == [("quantize x (NVFP4 -> bf16)", "M=4 K=6144 bf16 -> bf16 values")]
+    for reader in ("fp4_linear_wgmma", "fp4_moe_wgmma"):
+        assert chain(reader) == [("quantize x (NVFP4)", "M=4 K=6144 bf16"), ("dequantize x (bf16)", "M=4 K=6144 MMA order")]
+    for reader in ("fp4_linear", "fp4_moe_gemm"):
+        assert chain(reader) == [("quantize x (NVFP4)", "M=4 K=6144 bf16")]
+    kernel = {(a, t): _linear_kernel(t, 6144, 6144, "w4a4", _resolve(a, None)[0]) for a in ("sm90", "sm80", "sm120")
+              for t in (1, 4096)}
+    assert kernel == {("sm90", 1): "fp4_linear_mma", ("sm90", 4096): "fp4_linear_wgmma",
+                      ("sm80", 1): "fp4_linear_mma", ("sm80", 4096): "fp4_linear",
+                      ("sm120", 1): "fp4_linear", ("sm120", 4096): "fp4_linear"}
 
 
 @pytest.mark.parametrize("cc", [80, 90, 120])

@@ -87,44 +87,50 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                 kernel = _linear_kernel(op.M, op.N, op.K, mode, target)
                 # emulated W4A4 on a packed kernel: x dequantized to bf16 (ops.linear._launch_packed)
                 items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
-        if mode == "w4a4":  # the activation kernels, x's once per token before the experts
-            items_h = _w4a4_chain(model, t, tp, ep, target)
-            entries += [(t, name, None) for name, _ in items_h]
-            items += [item for _, item in items_h]
+                if mode == "w4a4":  # each fp4_linear quantizes its own input (a checkpoint's static scale)
+                    chain = _activation_chain(f"{op.name} input", op.M, op.K, kernel, dynamic=False)
+                    entries += [(t, name, None) for name, _ in chain]
+                    items += [item for _, item in chain]
+        if mode == "w4a4" and getattr(model, "n_experts", 0):  # the experts' x (once per token) and h
+            chain = _w4a4_chain(model, t, tp, ep, target)
+            entries += [(t, name, None) for name, _ in chain]
+            items += [item for _, item in chain]
     results = plan_many(items, arch, gpu, compile=compile, jobs=jobs)
     return [(t, name, op, r) for (t, name, op), r in zip(entries, results)]
 
 
-def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
-    """W4A4's activation kernels: [(name, (kernel, problem))]: x's and, for an MoE model, those of
-    the SwiGLU output h (its T x top_k rows, dynamic global scale) before GEMM 2, as the runtime
-    runs them for the kernel that reads them: the Triton kernels (and FP4 MMA) take the NVFP4
-    codes (the quantizer); the packed kernels of emulated W4A4 take bf16 values, which the
-    mma.sync kernels and the MoE's GEMM 1 gather read in x's order (the quantizer writing the
-    values, ``values_out``: ``fake_quantize_activations``) and the wgmma kernel reads in MMA K
-    order (the quantizer, then the dequantize kernel: ``ops.linear._launch_packed``,
-    ``ops.moe._w4a4_activations``)."""
+def _activation_chain(name: str, M: int, K: int, reader: str, globals_: int = 1, dynamic: bool = True) -> list:
+    """W4A4's activation kernels for one input [M, K] as the runtime runs them for the kernel that
+    reads it: [(name, (kernel, problem))]. The Triton kernels (and FP4 MMA) take the NVFP4 codes (the
+    quantizer); the packed kernels of emulated W4A4 take bf16 values, which the mma.sync kernels
+    and the MoE's GEMM 1 gather ("gather") read in x's order (the quantizer writing the values,
+    ``values_out``: ``fake_quantize_activations``) and the wgmma kernels read in MMA K order (the
+    quantizer, then the dequantize kernel: ``ops.linear._launch_packed``,
+    ``ops.moe._w4a4_activations``). ``globals_``: the weight global scales joined into g."""
     from .space import DequantizeProblem, QuantizeProblem
 
-    def chain(name: str, M: int, K: int, reader: str, globals_: int = 1) -> list:
-        if reader in ("fp4_linear", "fp4_moe_gemm"):
-            return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K)))]
-        if reader in ("fp4_linear_mma", "fp4_moe_mma", "gather"):
-            return [(f"quantize {name} (NVFP4 -> bf16)", ("nvfp4_quantize", QuantizeProblem(
-                M=M, K=K, values_out=True, weight_globals=globals_)))]
-        return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K))),
-                (f"dequantize {name} (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=M, K=K, mma_order=True,
-                                                                                    weight_globals=globals_)))]
+    if reader in ("fp4_linear", "fp4_moe_gemm"):
+        return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K, dynamic=dynamic)))]
+    if reader in ("fp4_linear_mma", "fp4_moe_mma", "gather"):
+        return [(f"quantize {name} (NVFP4 -> bf16)", ("nvfp4_quantize", QuantizeProblem(
+            M=M, K=K, dynamic=dynamic, values_out=True, weight_globals=globals_)))]
+    return [(f"quantize {name} (NVFP4)", ("nvfp4_quantize", QuantizeProblem(M=M, K=K, dynamic=dynamic))),
+            (f"dequantize {name} (bf16)", ("nvfp4_dequantize", DequantizeProblem(M=M, K=K, mma_order=True,
+                                                                                weight_globals=globals_)))]
 
-    if not getattr(model, "n_experts", 0):
-        return chain("x", tokens, model.hidden, _linear_kernel(tokens, model.hidden, model.hidden, "w4a4", arch))
+
+def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
+    """The routed experts' W4A4 activation kernels (``_activation_chain``): x's, whose global scale
+    the MoE computes per call (the checkpoints' static scales do not reach the MoE block), and those
+    of the SwiGLU output h (its T x top_k rows, dynamic global scale) before GEMM 2; one weight
+    global per local expert."""
     pairs = max(1, -(-tokens // ep)) * model.routing.top_k
     inter = model.expert_intermediate // tp
     kernel = _moe_kernel(model, moe_problem(model, tokens, 2, tp=tp, ep=ep, fmt="nvfp4", mode="w4a4", arch=arch),
                          arch)
     experts = max(1, model.n_experts // ep)  # one global scale per local expert (per-row ones: not in a preset)
-    return (chain("x", tokens, model.hidden, "gather" if kernel == "fp4_moe_wgmma" else kernel, experts)
-            + chain("h", pairs, inter, kernel, experts))
+    return (_activation_chain("x", tokens, model.hidden, "gather" if kernel == "fp4_moe_wgmma" else kernel, experts)
+            + _activation_chain("h", pairs, inter, kernel, experts))
 
 
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
