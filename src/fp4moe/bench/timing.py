@@ -98,32 +98,8 @@ def time_cuda_graph(
     ``budget_ms`` bounds the time spent replaying: from the last warm-up call's time, ``reps``
     is lowered (not below 5) and then ``iters_per_graph`` (not below 1) until it fits.
     """
-    import torch
-
-    if iters_per_graph < 1 or reps < 1 or warmup < 1:
-        raise ValueError(f"expected iters_per_graph, reps, warmup >= 1, got {iters_per_graph}, {reps}, {warmup}")
-    last_ms = _warm_up(fn, warmup)
-    if budget_ms is not None:
-        calls = max(1, int(budget_ms / max(last_ms, 1e-3)))
-        reps = max(min(reps, 5), min(reps, calls // iters_per_graph))
-        iters_per_graph = max(1, min(iters_per_graph, calls // reps))
-
-    def batch() -> None:
-        for _ in range(iters_per_graph):
-            fn()
-
-    try:
-        graph = _capture(batch)
-    except Exception:  # capture is not possible for this fn: time it eagerly instead
-        _release_rng_after_failed_capture()
-        torch.cuda.synchronize()
-        batch()
-        return summarize([ms * 1e3 / iters_per_graph for ms in _timed(batch, reps)], graph=False)
-    graph.replay()  # first replay uploads the graph
-    samples = [ms * 1e3 / iters_per_graph for ms in _timed(graph.replay, reps)]
-    del graph
-    return summarize(samples, graph=True)
-
+    return time_cuda_graphs({"fn": fn}, iters_per_graph=iters_per_graph, reps=reps, warmup=warmup,
+                            budget_ms=budget_ms)["fn"]
 
 def time_cuda_graphs(
     fns: Mapping[str, Callable[[], Any]],
@@ -166,6 +142,7 @@ def time_cuda_graphs(
         except Exception:  # this fn cannot be captured: its batches run eagerly
             _release_rng_after_failed_capture()
             torch.cuda.synchronize()
+            batch()
             runners[name], graphs[name] = batch, False
             continue
         graph.replay()  # first replay uploads the graph
