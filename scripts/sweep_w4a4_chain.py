@@ -23,8 +23,9 @@ from fp4moe.quantize import nvfp4_global_scale, quantize
 FUSED = opsq.fake_quantize_activations
 
 
-def _two_kernels(x, global_scale=None, weight_global_scale=None, *, config=None):
-    return opsq.dequantize_activations(opsq.quantize_activations(x, global_scale), weight_global_scale)
+def _two_kernels(x, global_scale=None, weight_global_scale=None, *, k_stored=None, config=None):
+    return opsq.dequantize_activations(opsq.quantize_activations(x, global_scale), weight_global_scale,
+                                       k_stored=k_stored)
 
 
 PARTIALS = opsq.MAX_ABSMAX_PARTIALS

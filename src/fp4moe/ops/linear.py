@@ -380,22 +380,19 @@ def _forward_mma(x, x2, w, packed, bias, out, cfg, path: Path = "w4a16", input_g
 def _launch_packed(x2, packed, bias, out, cfg, path: Path, input_global_scale=None):
     """``out = x2 @ W^T (+ bias)`` on the packed kernel of ``cfg``. Emulated W4A4 (GPUs without FP4
     MMA): x2 is quantized to NVFP4 (``quantize_activations``), its codes times block scales go
-    back to bf16 (exact: ``dequantize_activations``; for the mma.sync kernel, whose x keeps its
-    order, both in one kernel, ``fake_quantize_activations``) and the W4A16 kernel multiplies them by the
+    back to bf16 (exact; ``fake_quantize_activations``: one kernel where x keeps its order, for the
+    mma.sync kernel; in the wgmma kernel's MMA K order otherwise) and the W4A16 kernel multiplies them by the
     weights with fp32 sums, then by the product of both global scales: the products of the two
     dequantized operands, as the native FP4 MMA forms them."""
     from dataclasses import replace
 
     from .mma_layout import KCHUNK, MMAConfig, launch_linear_mma, launch_linear_wgmma
-    from .quantize import dequantize_activations, fake_quantize_activations
+    from .quantize import fake_quantize_activations
 
     wgmma = not isinstance(cfg, MMAConfig)
-    if path != "w4a16" and wgmma:  # x goes straight into the wgmma kernel's MMA K order (no second pass)
-        x2, g = dequantize_activations(_quantize_x(x2, input_global_scale), packed.global_scale,
-                                       k_stored=packed.words.shape[1] * KCHUNK)
-        packed = replace(packed, global_scale=g)
-    elif path != "w4a16":  # the same values in x's order, without the codes' round trip: one kernel
-        x2, g = fake_quantize_activations(x2, input_global_scale, packed.global_scale)
+    if path != "w4a16":  # for the wgmma kernel x goes straight into its MMA K order (no second pass)
+        x2, g = fake_quantize_activations(x2, input_global_scale, packed.global_scale,
+                                          k_stored=packed.words.shape[1] * KCHUNK if wgmma else None)
         packed = replace(packed, global_scale=g)
     if wgmma:
         return launch_linear_wgmma(x2, packed, bias, out, cfg, x_mma_order=path != "w4a16")

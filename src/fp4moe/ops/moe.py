@@ -613,14 +613,11 @@ def _w4a4_activations(x: torch.Tensor, global_scale: torch.Tensor | None, w: FP4
     The product of the globals is formed in that kernel's first program, or by torch where there
     are too many globals for it (per-row globals [E, N] of real layers); it comes back as [E, 1] or
     [E, N], shapes ``_weight_globals`` reads without a copy."""
-    from .quantize import MAX_WEIGHT_GLOBALS, dequantize_activations, fake_quantize_activations
+    from .quantize import MAX_WEIGHT_GLOBALS, fake_quantize_activations
 
     wv, mode = _weight_globals(w)  # contiguous [E] or [E, N], kept with w's globals: no copy per call
     wg = wv if wv.numel() <= MAX_WEIGHT_GLOBALS else None
-    if k_stored is None:
-        x_hat, g = fake_quantize_activations(x, global_scale, wg)
-    else:
-        x_hat, g = dequantize_activations(_quantize_rows(x, global_scale), wg, k_stored=k_stored)
+    x_hat, g = fake_quantize_activations(x, global_scale, wg, k_stored=k_stored)
     if wg is None:
         g = wv * g
     return x_hat, replace(w, global_scale=g.reshape(-1, 1) if mode == 1 else g)

@@ -162,7 +162,7 @@ def quantize_activations(
 
 
 def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor | float | None = None,
-                              weight_global_scale: torch.Tensor | None = None, *,
+                              weight_global_scale: torch.Tensor | None = None, *, k_stored: int | None = None,
                               config: QuantizeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``dequantize_activations(quantize_activations(x, global_scale), weight_global_scale)`` in one
     kernel (``nvfp4_fake_quantize_kernel``), bit for bit: the W4A4 path of GPUs without FP4 MMA
@@ -174,7 +174,14 @@ def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor | floa
     device) times ``weight_global_scale`` (1..``MAX_WEIGHT_GLOBALS`` values, its shape), or [1]
     without it. Launched with PDL where the device has it, so the GEMM after it launches early.
     ``config`` pins the tile as for the quantizer; its register cap (``maxnreg``) is not applied:
-    this kernel holds its chunk's 32 values too (72 registers, no spills, on SM90)."""
+    this kernel holds its chunk's 32 values too (72 registers, no spills, on SM90).
+
+    ``k_stored``: x_hat [M, k_stored] in the packed weights' MMA K order instead (the wgmma kernel's
+    input, ``dequantize_activations(k_stored=)``), which the quantizer and the dequantize kernel
+    write: the permutation crosses the quantizer's per-thread chunks."""
+    if k_stored is not None:
+        return dequantize_activations(quantize_activations(x, global_scale, config=config), weight_global_scale,
+                                      k_stored=k_stored)
     x2, lead, gs, cfg = _prepare(x, global_scale, False, config)
     if len(lead) != 1:
         raise ValueError(f"x: expected 2-D activations [M, K], got shape {tuple(x.shape)}")
