@@ -126,7 +126,7 @@ def test_decoder_model_gives_the_documented_fragments(fmt):
 def test_choose_mma_config():
     """Decode splits K over warp groups of one program (one launch, PDL on SM90+), every program
     resident at once, each warp at least two loop steps; K too short for that: the grid split."""
-    from fp4moe.ops.mma_layout import KW_REGISTERS, _fit_kw
+    from fp4moe.ops.mma_layout import KW_REGISTERS, KW_REGISTERS_XC, _fit_kw
 
     for M, N, K in [(1, 12288, 6144), (16, 12288, 6144), (3, 6144, 2048), (9, 4096, 6144), (1, 6144, 12288),
                     (16, 6144, 2048), (1, 200, 1024)]:
@@ -135,8 +135,9 @@ def test_choose_mma_config():
             assert c.block_m == (8 if M <= 8 else 16) and c.kw >= 2 and c.split_k == 1 and c.pdl in (2, 3), c
             chunks = K // 64
             assert _fit_kw(c, chunks) == (c.kh, c.kw) and chunks // (c.kh * c.kw) >= 2, c
-            per_sm = get_arch("sm90").ctas_per_sm(32 * c.kw, registers=KW_REGISTERS[(fmt == "mxfp4", c.block_m, c.rb,
-                                                                                     c.kh, c.kw)])
+            regs = KW_REGISTERS_XC[(fmt == "mxfp4", c.rb, c.kh, c.kw)] if c.xc else \
+                KW_REGISTERS[(fmt == "mxfp4", c.block_m, c.rb, c.kh, c.kw)]
+            per_sm = get_arch("sm90").ctas_per_sm(32 * c.kw, registers=regs)
             assert -(-N // c.block_n) * -(-M // c.block_m) <= 132 * per_sm or N <= 16 * 132, c  # one wave
     assert choose_mma_config(1, 12288, 6144, arch="sm89").pdl == 0  # no griddepcontrol before Hopper
     assert str(choose_mma_config(1, 12288, 6144)) == "mma_n16_m8_k256_w1_kw4_pdl2"  # the H200 sweep's best
@@ -154,6 +155,14 @@ def test_choose_mma_config():
     assert choose_mma_config(1, 4096, 6144).pdl == 2  # by default SM90's first catalogue GPU, the H100: 50 MB
     assert choose_mma_config(1, 6144, 2048, l2_bytes=6 << 20).pdl == 2  # GA102's 6 MB L2
     assert choose_mma_config(1, 6144, 2048, arch="sm86").pdl == 0  # no PDL before Hopper
+    # there, 8-token NVFP4 programs take a grid that fits each SM twice (the next launch resident beside
+    # it), with x read per chunk where only its fewer registers allow that (H200 sweep, PDL3_CORESIDENT)
+    assert [str(choose_mma_config(M, N, K, l2_bytes=h200_l2)) for M, N, K in
+            ((1, 4096, 6144), (8, 8192, 2048), (1, 6144, 4096), (1, 12288, 2048), (1, 6144, 2048))] == \
+        ["mma_n16_m8_k256_w1_kw8_pdl3_xc", "mma_n16_m8_k256_w1_kw4_pdl3_xc", "mma_n16_m8_k256_w1_kw4_pdl3",
+         "mma_n16_m8_k256_w1_kw2_pdl3", "mma_n16_m8_k256_w1_kw4_pdl3"]
+    for M, N, K, fmt in ((16, 4096, 6144, "nvfp4"), (1, 12288, 6144, "nvfp4"), (1, 4096, 6144, "mxfp4")):
+        assert not choose_mma_config(M, N, K, l2_bytes=h200_l2, fmt=fmt).xc  # 16 tokens, PDL = 2, MXFP4
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
     assert short.kw == 1 and short.split_k == 1 and not short.pdl
     with pytest.raises(ValueError, match="block_m"):
@@ -171,6 +180,10 @@ def test_choose_mma_config():
     with pytest.raises(ValueError, match="pdl"):
         MMAConfig(kw=2, pdl=4)
     assert str(MMAConfig(rb=2, warps=1, kh=2, block_m=16, kw=8, pdl=1)) == "mma_n32_m16_k128_w1_kw8_pdl"
+    with pytest.raises(ValueError, match="xc"):
+        MMAConfig(xc=True)  # x per chunk is a mode of the in-program K split
+    c = MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=8, pdl=3, xs=2, xc=True)
+    assert str(c) == "mma_n16_m8_k256_w1_kw8_pdl3_xs2_xc" and MMAConfig.parse(str(c)) == c
 
 
 def test_fit_kw_gives_every_slice_whole_steps():
@@ -193,6 +206,18 @@ def test_kw_register_table_matches_ptxas():
                                 90, 12288) for (mx, bm, rb, kh, kw) in keys]
     got = {k: (r.registers, r.spill_bytes, r.ok) for k, r in zip(keys, cross_compile(reqs))}
     assert {k: v for k, v in got.items() if v != (KW_REGISTERS[k], 0, True)} == {}
+
+
+def test_kw_xc_register_table_matches_ptxas():
+    """``KW_REGISTERS_XC``: x read per chunk, as the heuristic launches it (8 tokens, PDL = 3)."""
+    from fp4moe.ops.mma_layout import KW_REGISTERS_XC, mma_compile_request
+    from fp4moe.plan.crosscompile import cross_compile
+
+    keys = sorted(KW_REGISTERS_XC)
+    reqs = [mma_compile_request(MMAConfig(rb=rb, warps=1, kh=kh, block_m=8, kw=kw, pdl=3, xc=True),
+                                "mxfp4" if mx else "nvfp4", 90, 12288) for (mx, rb, kh, kw) in keys]
+    got = {k: (r.registers, r.spill_bytes, r.ok) for k, r in zip(keys, cross_compile(reqs))}
+    assert {k: v for k, v in got.items() if v != (KW_REGISTERS_XC[k], 0, True)} == {}
 
 
 _COMPILE = r"""
@@ -262,8 +287,8 @@ from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
 from fp4moe.plan.crosscompile import mma_instructions
 from fp4moe.plan.worker import _ptxas, compile_request
 out = []
-for cc, rb, warps, kh, kw, bm, mx, pdl in json.loads(sys.argv[1]):
-    req = mma_compile_request(MMAConfig(rb=rb, warps=warps, kh=kh, block_m=bm, kw=kw, pdl=pdl),
+for cc, rb, warps, kh, kw, bm, mx, pdl, *xc in json.loads(sys.argv[1]):
+    req = mma_compile_request(MMAConfig(rb=rb, warps=warps, kh=kh, block_m=bm, kw=kw, pdl=pdl, xc=bool(xc)),
                               "mxfp4" if mx else "nvfp4", cc, 6144, has_bias=True)
     c = compile_request(dataclasses.asdict(req))
     ptx = c.asm["ptx"]
@@ -281,7 +306,9 @@ def test_kw_kernel_cross_compiles_for_every_architecture():
     only shared memory is the warp groups' partial tiles; griddepcontrol (PDL) only from sm_90."""
     cases = [(80, 1, 1, 4, 4, 8, False, 2), (89, 2, 1, 2, 8, 16, True, 3), (90, 1, 1, 4, 4, 8, False, 2),
              (90, 2, 1, 4, 4, 16, True, 1), (90, 1, 2, 2, 2, 8, False, 0), (100, 1, 1, 4, 8, 8, False, 2),
-             (120, 2, 1, 4, 4, 16, False, 2), (90, 1, 2, 4, 4, 8, True, 3), (120, 2, 1, 2, 4, 16, False, 3)]
+             (120, 2, 1, 4, 4, 16, False, 2), (90, 1, 2, 4, 4, 8, True, 3), (120, 2, 1, 2, 4, 16, False, 3),
+             (90, 1, 1, 4, 4, 16, False, 2, True), (80, 2, 1, 2, 4, 16, True, 0, True),
+             (120, 1, 1, 4, 8, 8, False, 2, True)]  # x per chunk (MMAConfig.xc)
     for case, r in zip(cases, run_compile_snippet(_COMPILE_KW, cases)):
         pdl = case[-1] if get_arch(r["cc"]).has_pdl else 0
         assert any("mma.sync" in m and "bf16" in m for m in r["mma"]), r
@@ -326,7 +353,7 @@ def test_x_ring_cross_compiles():
     cases = [(90, "mma_n128_m16_k128_w4_xs2", "gemm1"), (90, "mma_n64_m8_k256_w4_xs3", "gemm2"),
              (80, "mma_n64_m8_k256_w4_xs2", "gemm1"), (120, "mma_n128_m16_k128_w4_xs2", "gemm2"),
              (90, "mma_n128_m16_k256_w4_split4_xs2", "plain"), (90, "mma_n64_m16_k128_w2_kw4_pdl2_xs2", "plain"),
-             (80, "mma_n32_m8_k256_w1_kw4_xs3", "plain")]
+             (80, "mma_n32_m8_k256_w1_kw4_xs3", "plain"), (90, "mma_n32_m16_k256_w1_kw4_pdl2_xs2_xc", "plain")]
     for (cc, name, kind), r in zip(cases, run_compile_snippet(_COMPILE_XS, cases)):
         cfg = MMAConfig.parse(name)
         ring = cfg.xs * cfg.kw * cfg.block_m * 64 * cfg.kh * 2
@@ -355,7 +382,11 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
                MMAConfig(rb=1, warps=2, kh=2, block_m=16, kw=4, pdl=2, xs=2),
                MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=1, xs=3),
                MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=3), MMAConfig(rb=1, warps=1, kh=2, block_m=16, kw=4,
-                                                                              pdl=3, xs=2))
+                                                                              pdl=3, xs=2),
+               # x per chunk: with and without the ring, two row blocks, steps of 4 and 2 chunks
+               MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xc=True),
+               MMAConfig(rb=2, warps=1, kh=4, block_m=16, kw=4, pdl=2, xs=2, xc=True),
+               MMAConfig(rb=1, warps=2, kh=2, block_m=8, kw=4, pdl=1, xc=True))
     check_packed_linear(launch_linear_mma, configs, fmt, M, N, K)
 
 

@@ -165,6 +165,32 @@ def decode_a_operand(w, s, NB: gl.constexpr, KH: gl.constexpr, DECODE: gl.conste
     return gl.convert_layout(gl.reshape(v, [16 * NB, 64 * KH]), a_layout, assert_trivial=True)
 
 
+@gluon.jit
+def _x_ring_wait(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr):
+    """``_x_ring_step`` returning step it's ring slot instead of loading it (``XC``: read per chunk)."""
+    c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
+    async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
+                                           mask=xc_mask)
+    async_copy.commit_group()
+    async_copy.wait_group(X_STAGES - 1)
+    return x_ring.index(it % X_STAGES)
+
+
+@gluon.jit
+def _kh_chunks(t, KH: gl.constexpr):
+    """A tensor whose last dimension (size KH: 1, 2 or 4, held in registers) is the 64-K chunk of a
+    step -> the KH tensors of one chunk each, in chunk order (register renaming, no data moves)."""
+    if KH == 1:
+        return (gl.reshape(t, t.shape[:-1]),)
+    elif KH == 2:
+        return gl.split(t)
+    else:
+        j0, j1 = gl.split(gl.reshape(t, t.shape[:-1] + [2, 2]))  # chunk 2 i + j
+        c0, c2 = gl.split(j0)
+        c1, c3 = gl.split(j1)
+        return c0, c1, c2, c3
+
+
 def x_layout(block_m: int, kh: int, warps: int) -> gl.DistributedLinearLayout:
     """x tile [block_m, 64 kh] in stored K order: lane 4g + t reads token g (+ 8 per register
     repeat) and the 16 consecutive K at 16t of each 64-K chunk (two 16-byte loads); replicated
@@ -414,6 +440,7 @@ def fp4_linear_mma_kw_kernel(
     # load; 2 request the first weight step, then wait (the previous kernel must not write the weights);
     # 3 as 2, and first request the program's whole share of weights and scales into L2 (bulk prefetch)
     X_STAGES: gl.constexpr,  # 0 or a ring of x steps in shared memory, per K slice (``fp4_linear_mma_kernel``'s)
+    XC: gl.constexpr = False,  # x read per 64-K chunk just before its MMA (X_LAYOUT then that of one chunk)
 ):
     """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
     KW groups of WARPS warps each sum a K slice of the same BLOCK_N x BLOCK_M tile, and the program
@@ -454,9 +481,10 @@ def fp4_linear_mma_kw_kernel(
     lx_s: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, x_layout))
     lx_m: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_layout))
     lx_k: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, x_layout))
+    XK: gl.constexpr = 64 if XC else BLOCK_K  # K of one x load
     offs_m = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=lx_m), M - 1)
     x_k = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=lx_s) * (k_chunks_per_slice * 64), 1), 2) \
-        + gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_K, layout=lx_k), 0), 1)  # [KW, 1, BLOCK_K]
+        + gl.expand_dims(gl.expand_dims(gl.arange(0, XK, layout=lx_k), 0), 1)  # [KW, 1, XK]
     x_ptrs = x_ptr + gl.expand_dims(gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 0), 2) + x_k
 
     acc = gl.zeros([KW, BLOCK_N, BLOCK_M], gl.float32, layout=mma)
@@ -498,22 +526,48 @@ def fp4_linear_mma_kw_kernel(
         xc_mask = gl.expand_dims(gl.expand_dims(rows_c < M, 0), 2)  # rows past M zero-filled, not copied
         _x_ring_fill(x_ring, xc_ptrs, xc_mask, 0, c_last, KH, X_STAGES)
     for c0 in range(0, k_chunks_per_slice, KH):
-        if X_STAGES > 0:
-            xt = _x_ring_step(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES, x_layout)
-        elif EVEN_K:
-            xt = gl.load(x_ptrs + c0 * 64)
-        else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
-            xt = gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
-        c_next = gl.minimum(c0 + KH, c_last)
-        w_next = gl.load(w_ptrs + c_next * 128)
-        s_next = gl.load(s_ptrs + c_next * S_STEP)
-        wd = decode_a_operand_kw(w, s, KW, NB, KH, DECODE, SCALE, a_layout)
-        xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
-        xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, BLOCK_K]), [0, 2, 1]), b_layout,
-                               assert_trivial=True)
-        acc = mma_v2(wd, xb, acc)
-        w = w_next
-        s = s_next
+        if XC:  # decode, x and MMA one 64-K chunk at a time: x holds a chunk's registers, not a step's
+            if X_STAGES > 0:
+                x_slot = _x_ring_wait(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES)
+            c_next = gl.minimum(c0 + KH, c_last)
+            w_next = gl.load(w_ptrs + c_next * 128)
+            s_next = gl.load(s_ptrs + c_next * S_STEP)
+            w_kc = _kh_chunks(gl.permute(w, [0, 1, 3, 4, 2]), KH)
+            s_kc = _kh_chunks(gl.permute(s, [0, 1, 3, 2]), KH)
+            for kc in gl.static_range(KH):
+                if X_STAGES > 0:
+                    xt = x_slot.slice(kc * 64, 64, dim=2).load(x_layout)
+                elif EVEN_K:
+                    xt = gl.load(x_ptrs + (c0 + kc) * 64)
+                else:
+                    xt = gl.load(x_ptrs + (c0 + kc) * 64, mask=x_k + (c0 + kc) * 64 < K_X, other=0.0)
+                w1 = gl.reshape(w_kc[kc], [KW, NB, 1, 32, 4])
+                s1 = gl.convert_layout(gl.reshape(s_kc[kc], [KW, NB, 1, 32]), gl.SliceLayout(4, w1.type.layout),
+                                       assert_trivial=True)
+                wd = decode_a_operand_kw(w1, s1, KW, NB, 1, DECODE, SCALE, a_layout)
+                xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, 1, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
+                xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, 64]), [0, 2, 1]), b_layout,
+                                       assert_trivial=True)
+                acc = mma_v2(wd, xb, acc)
+            w = w_next
+            s = s_next
+        else:
+            if X_STAGES > 0:
+                xt = _x_ring_step(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES, x_layout)
+            elif EVEN_K:
+                xt = gl.load(x_ptrs + c0 * 64)
+            else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
+                xt = gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
+            c_next = gl.minimum(c0 + KH, c_last)
+            w_next = gl.load(w_ptrs + c_next * 128)
+            s_next = gl.load(s_ptrs + c_next * S_STEP)
+            wd = decode_a_operand_kw(w, s, KW, NB, KH, DECODE, SCALE, a_layout)
+            xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
+            xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, BLOCK_K]), [0, 2, 1]), b_layout,
+                                   assert_trivial=True)
+            acc = mma_v2(wd, xb, acc)
+            w = w_next
+            s = s_next
     if X_STAGES > 0:
         async_copy.wait_group(0)
 

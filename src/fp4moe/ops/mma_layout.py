@@ -184,7 +184,9 @@ class MMAConfig:
     ``xs`` >= 2: x comes through a shared-memory ring of that many steps, copied by cp.async ``xs`` - 1
     steps ahead once for all the warps along N (with ``kw``, one slot per K slice), instead of each
     warp loading it into registers at the start of each step (0); the launcher keeps 0 where x's row
-    stride is not a multiple of 16 elements, its start not 16-byte aligned, or K is padded."""
+    stride is not a multiple of 16 elements, its start not 16-byte aligned, or K is padded.
+    ``xc`` (with ``kw``): each step's x is read, decoded weights made and MMAs issued one 64-K chunk
+    at a time, so x holds a chunk's registers instead of a step's (16 tokens: 16 instead of 64)."""
 
     rb: int = 1
     warps: int = 4
@@ -194,6 +196,7 @@ class MMAConfig:
     kw: int = 1
     pdl: int = 0
     xs: int = 0
+    xc: bool = False
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -219,6 +222,8 @@ class MMAConfig:
             raise ValueError(f"MMAConfig.xs: expected 0 (x in registers) or 2..4, got {self.xs}")
         if self.pdl and self.kw == 1:
             raise ValueError("MMAConfig.pdl: only the in-program K split (kw > 1) launches with PDL")
+        if self.xc and self.kw == 1:
+            raise ValueError("MMAConfig.xc: x per chunk is a mode of the in-program K split (kw > 1)")
 
     @property
     def block_n(self) -> int:
@@ -229,17 +234,19 @@ class MMAConfig:
         kw = f"_kw{self.kw}" if self.kw > 1 else ""
         pdl = ("", "_pdl", "_pdl2", "_pdl3")[self.pdl]
         xs = f"_xs{self.xs}" if self.xs else ""
-        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}"
+        xc = "_xc" if self.xc else ""
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}{xc}"
 
     @classmethod
     def parse(cls, name: str) -> MMAConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``mma_n16_m8_k256_w1_kw4_pdl2``."""
-        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?", name)
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?(_xc)?", name)
         if not m or int(m[1]) % (16 * int(m[4])) or int(m[3]) % 64:
             raise ValueError(f"MMAConfig.parse: not a configuration name: {name!r}")
         n, bm, k, w = (int(g) for g in m.groups()[:4])
         return cls(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=int(m[5] or 1), kw=int(m[6] or 1),
-                   pdl={None: 0, "_pdl": 1, "_pdl2": 2, "_pdl3": 3}[m[7]], xs=int(m[8] or 0))
+                   pdl={None: 0, "_pdl": 1, "_pdl2": 2, "_pdl3": 3}[m[7]], xs=int(m[8] or 0),
+                   xc=bool(m[9]))
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -271,6 +278,15 @@ KW_REGISTERS = {
     (True, 16, 1, 4, 4): 128, (True, 16, 1, 4, 8): 128, (True, 16, 2, 2, 2): 122, (True, 16, 2, 2, 4): 122,
     (True, 16, 2, 2, 8): 126, (True, 16, 2, 4, 2): 188, (True, 16, 2, 4, 4): 188, (True, 16, 2, 4, 8): 188,
 }
+#: ``KW_REGISTERS`` of the x-per-chunk variant (``MMAConfig.xc``), by (MXFP4, rb, kh, kw), 8-token
+#: programs launched with PDL = 3 (the only ones the heuristic gives it)
+KW_REGISTERS_XC = {
+    (False, 1, 2, 2): 48, (False, 1, 2, 4): 48, (False, 1, 2, 8): 48, (False, 1, 4, 2): 58, (False, 1, 4, 4): 58,
+    (False, 1, 4, 8): 58, (False, 2, 2, 2): 70, (False, 2, 2, 4): 70, (False, 2, 2, 8): 70, (False, 2, 4, 2): 100,
+    (False, 2, 4, 4): 100, (False, 2, 4, 8): 98, (True, 1, 2, 2): 56, (True, 1, 2, 4): 56, (True, 1, 2, 8): 48,
+    (True, 1, 4, 2): 66, (True, 1, 4, 4): 66, (True, 1, 4, 8): 66, (True, 2, 2, 2): 72, (True, 2, 2, 4): 72,
+    (True, 2, 2, 8): 78, (True, 2, 4, 2): 128, (True, 2, 4, 4): 128, (True, 2, 4, 8): 128,
+}
 #: weight bytes in flight per SM that the decode heuristic aims for (Little's law at ~4.3 TB/s over
 #: 132 SMs and ~1.2 us of loaded DRAM latency)
 DECODE_INFLIGHT_BYTES = 40_000
@@ -287,7 +303,9 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. Occupancy
     limits and PDL from the catalogue entry of ``arch`` (default SM90, where the model was fitted).
     Weights of at most ``PDL_L2_SHARE`` of the L2 (``l2_bytes``; default that of the catalogue's
-    first GPU of ``arch``) are requested into L2 whole before the PDL wait (``pdl`` = 3)."""
+    first GPU of ``arch``) are requested into L2 whole before the PDL wait (``pdl`` = 3); there,
+    8-token programs first look for a grid that fits on the SMs twice (``PDL3_CORESIDENT``), with x
+    read per chunk (``MMAConfig.xc``, fewer registers) where only that fits."""
     from ..formats import get_format
 
     arch = get_arch(arch or "sm90")
@@ -295,28 +313,32 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     block_m = 8 if M <= 8 else 16
     chunks = -(-K // KCHUNK)
     min_steps = 2 if block_m == 8 else 4
+    weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
+    l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
+    pdl3 = arch.has_pdl and weight_bytes <= PDL_L2_SHARE * l2
+    coresident = pdl3 and block_m == 8 and not mx and PDL3_CORESIDENT  # measured for NVFP4 only
     best, best_score = None, None
     for rb in (1, 2):
         for kh in (2, 4):
             for kw in (2, 4, 8):
                 if chunks % (kh * kw) or chunks // (kh * kw) < min_steps:
                     continue
-                per_sm = arch.ctas_per_sm(32 * kw, registers=KW_REGISTERS[(mx, block_m, rb, kh, kw)],
-                                          smem_bytes=kw * 16 * rb * block_m * 4)  # the partial tiles
-                programs = -(-N // (16 * rb)) * -(-M // block_m)
-                resident = min(programs / sm_count, per_sm)
-                inflight = min(resident * kw * rb * kh * 512, DECODE_INFLIGHT_BYTES)
-                score = (programs <= per_sm * sm_count, inflight, kh, resident * kw)
-                if best_score is None or score > best_score:
-                    best, best_score = MMAConfig(rb=rb, warps=1, kh=kh, block_m=block_m, kw=kw,
-                                                 pdl=2 if arch.has_pdl else 0), score
+                for xc in (False, True) if coresident else (False,):
+                    regs = KW_REGISTERS_XC[(mx, rb, kh, kw)] if xc else KW_REGISTERS[(mx, block_m, rb, kh, kw)]
+                    per_sm = arch.ctas_per_sm(32 * kw, registers=regs,
+                                              smem_bytes=kw * 16 * rb * block_m * 4)  # the partial tiles
+                    programs = -(-N // (16 * rb)) * -(-M // block_m)
+                    resident = min(programs / sm_count, per_sm)
+                    inflight = min(resident * kw * rb * kh * 512, DECODE_INFLIGHT_BYTES)
+                    # the next launch's programs fit beside this one's (each SM's share twice)
+                    twice = not coresident or 2 * -(-programs // sm_count) <= per_sm
+                    score = (programs <= per_sm * sm_count, twice, inflight, kh, resident * kw, not xc)
+                    if best_score is None or score > best_score:
+                        best, best_score = MMAConfig(rb=rb, warps=1, kh=kh, block_m=block_m, kw=kw,
+                                                     pdl=(3 if pdl3 else 2) if arch.has_pdl else 0, xc=xc), score
     if best is None:  # K too short to split over warps: one warp per program, K in one slice
         kh = _fit_kh(4, chunks)
         return MMAConfig(rb=1, warps=4, kh=kh, block_m=block_m, split_k=1)
-    weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
-    l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
-    if best.pdl and weight_bytes <= PDL_L2_SHARE * l2:
-        best = replace(best, pdl=3)
     return _with_x_ring(best, M, N, chunks, sm_count, mx, arch)
 
 
@@ -328,6 +350,19 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
 #: 33-42 MB 11-25% slower (the requests of a large weight evict each other and compete with the
 #: kernel before)
 PDL_L2_SHARE = 0.25
+
+
+#: 8-token decode programs whose weight is requested into L2 before the PDL wait (``pdl`` = 3) prefer
+#: a grid whose programs fit on each SM twice, so that the next launch's programs are resident (and
+#: requesting their weights) while this one runs; x read per chunk (``MMAConfig.xc``: 56-58 instead
+#: of 80 registers) makes room where the grid fits only once. H200 (scripts/sweep_linear_configs.py,
+#: benchmarks/raw/sweep-linear-xc-h200.json, M = 1..8): 4096x6144 7.2 -> 6.0 us, 4096x4096
+#: 5.6 -> 4.8, 8192x2048 5.0 -> 4.5 at M = 1 (10-20% at M = 1..8). Where the grid already fits twice
+#: (6144x2048, 2048x6144) x per chunk was 2-9% slower; with the weight streamed from DRAM (PDL = 2,
+#: large weights) 25-30% slower, and at 16 tokens per program slower everywhere but one case
+#: (within 1%), so it is used nowhere else. MXFP4 weights (other register counts) keep the one-grid
+#: choice: the rule was not measured on them.
+PDL3_CORESIDENT = True
 
 
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring
@@ -400,7 +435,8 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         bias if bias is not None else unused, out, M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), out.stride(0),
         chunks // kw, RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, FOLD=FOLD_E8M0 if mx else FOLD_E4M3,
-        DECODE=DECODE_ASM, SCALE=scale_asm(mx), X_LAYOUT=x_layout_kw(config.block_m, kh, config.warps, kw),
+        DECODE=DECODE_ASM, SCALE=scale_asm(mx),
+        X_LAYOUT=x_layout_kw(config.block_m, 1 if config.xc else kh, config.warps, kw), XC=config.xc,
         EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
         num_warps=config.warps * kw, launch_pdl=pdl > 0,
     )
@@ -486,9 +522,9 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                           HAS_WG=not mx, HAS_BIAS=has_bias, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
                           SCALE=scale_asm(mx),
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
-                                    "args": [config.block_m, kh, config.warps, kw]},
+                                    "args": [config.block_m, 1 if config.xc else kh, config.warps, kw]},
                           EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0,
-                          X_STAGES=config.xs if chunks * KCHUNK == K else 0)
+                          X_STAGES=config.xs if chunks * KCHUNK == K else 0, XC=config.xc)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)

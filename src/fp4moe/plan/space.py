@@ -538,15 +538,19 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
     def candidates(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None) -> list:
         """What the runtime's decode heuristic chooses from: K split over 2, 4 or 8 warp groups of
         one program, one or two 16-row blocks per warp, 128 or 256 K per step (PDL as the heuristic
-        launches it), and the heuristic's own choice; for K too short to split over warps, the
-        heuristic's one program per tile."""
+        launches it; 8-token NVFP4 programs with PDL = 3 also with x read per chunk, ``MMAConfig.xc``),
+        and the heuristic's own choice; for K too short to split over warps, the heuristic's one
+        program per tile."""
+        from ..formats import NVFP4, get_format
         from ..ops.mma_layout import MMAConfig
 
         chosen = self.heuristic(problem, arch, sm_count)
         if chosen.kw == 1:
             return [chosen]
-        family = [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=chosen.pdl) for rb in (1, 2)
-                  for kh in (2, 4) for kw in (2, 4, 8)]
+        xcs = (False, True) if chosen.pdl == 3 and chosen.block_m == 8 and get_format(problem.fmt) is NVFP4 \
+            else (False,)
+        family = [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=chosen.pdl, xc=xc)
+                  for rb in (1, 2) for kh in (2, 4) for kw in (2, 4, 8) for xc in xcs]
         return family + [chosen] * (chosen not in family)  # with its x ring, where it takes one
 
     def heuristic(self, problem: LinearProblem, arch: Arch, sm_count: int | None = None):
