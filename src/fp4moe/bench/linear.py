@@ -145,6 +145,7 @@ def run_linear_bench(
     torch_baseline: bool = True,
     console: Console | None = None,
     seed: int = 0,
+    cooldown_s: float = 3.0,
 ) -> list[dict[str, Any]]:
     """Time ``fp4_linear(x, w, mode=...)`` and ``torch.matmul(x, w_bf16.t())`` for each (shape, M, mode).
 
@@ -154,7 +155,12 @@ def run_linear_bench(
     ``budget_ms`` bounds the replays of the slowest of each (shape, M)'s calls, which are timed
     interleaved (see ``time_cuda_graphs``). ``ceilings`` defaults
     to :func:`bench_ceilings`, measured now. Progress goes to ``console`` (a new rich Console).
+    Each shape after the first starts ``cooldown_s`` seconds after the last (prefill) row of the one
+    before: sustained prefill holds the GPU at its power cap (the H200 at 1.4-1.5 GHz instead of
+    1.98, ``scripts/diag_prefill_sustained.py``), and the decode rows would otherwise run clocked down.
     """
+    import time
+
     import torch
 
     from .. import arch
@@ -169,8 +175,11 @@ def run_linear_bench(
     l2 = int(ceilings.get("l2_bytes") or l2_bytes())
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows: list[dict[str, Any]] = []
-    for N, K in shapes:
+    for i, (N, K) in enumerate(shapes):
         shape = f"{N}x{K}"
+        if i and cooldown_s > 0:
+            torch.cuda.synchronize()
+            time.sleep(cooldown_s)
         try:
             w = quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen), fmt)
             n_fp4 = rotation_count(rl.fp4_weight_bytes(N, K, fmt), l2)
