@@ -5,7 +5,7 @@ times every configuration R times round-robin. GPU only; ``--dry-run`` lists the
 ``default_xs2``, ``default_pdl3``, ``default_pdl3_xs2``, ``default_xc``, ``default_xs2_xc`` name the runtime's
 choice with those fields replaced.
 Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
-[--shapes 12288x6144,6144x12288] [--repeat R] [--out DIR] [--dry-run]"""
+[--shapes 12288x6144,6144x12288] [--fmt nvfp4|mxfp4] [--repeat R] [--out DIR] [--dry-run]"""
 import argparse
 import json
 import re
@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--ms", default="16")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--configs", required=True, help="comma-separated configuration names")
+    ap.add_argument("--fmt", default="nvfp4", choices=("nvfp4", "mxfp4"))
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--out")
     ap.add_argument("--dry-run", action="store_true")
@@ -49,7 +50,7 @@ def main() -> None:
         return
 
     from fp4moe.bench.timing import l2_bytes, measure_copy_bandwidth, rotating, rotation_count, time_cuda_graph
-    from fp4moe.formats import NVFP4
+    from fp4moe.formats import get_format
     from fp4moe.ops.linear import fp4_linear_reference, packed_config
     from fp4moe.ops.mma_layout import launch_linear_mma, launch_linear_wgmma, pack_mma
     from fp4moe.arch import get_arch
@@ -59,16 +60,17 @@ def main() -> None:
     copy = measure_copy_bandwidth()
     res = {"copy_gbs": copy, "time": [], "check": []}
     for N, K in shapes:
-        w0 = quantize(torch.randn(N, K, device="cuda"), NVFP4)
+        fmt = get_format(args.fmt)
+        w0 = quantize(torch.randn(N, K, device="cuda"), fmt)
         wbytes = w0.data.numel() + w0.scales.numel()
         bound = wbytes / (copy * 1e3)
-        ws = [quantize(torch.randn(N, K, device="cuda"), NVFP4) for _ in range(rotation_count(wbytes, l2_bytes()))]
+        ws = [quantize(torch.randn(N, K, device="cuda"), fmt) for _ in range(rotation_count(wbytes, l2_bytes()))]
         ps = [pack_mma(w) for w in ws]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             ref = fp4_linear_reference(x, ws[0], None).float()
-            base = packed_config("w4a16", arch, M, N, K, l2_bytes=l2_bytes())
+            base = packed_config("w4a16", arch, M, N, K, fmt=args.fmt, l2_bytes=l2_bytes())
             cfgs = [base]
             for v in variants:
                 try:

@@ -316,7 +316,7 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
     l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
     pdl3 = arch.has_pdl and weight_bytes <= PDL_L2_SHARE * l2
-    coresident = pdl3 and block_m == 8 and not mx and PDL3_CORESIDENT  # measured for NVFP4 only
+    coresident = pdl3 and block_m == 8 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
     best, best_score = None, None
     for rb in (1, 2):
         for kh in (2, 4):
@@ -360,9 +360,14 @@ PDL_L2_SHARE = 0.25
 #: 5.6 -> 4.8, 8192x2048 5.0 -> 4.5 at M = 1 (10-20% at M = 1..8). Where the grid already fits twice
 #: (6144x2048, 2048x6144) x per chunk was 2-9% slower; with the weight streamed from DRAM (PDL = 2,
 #: large weights) 25-30% slower, and at 16 tokens per program slower everywhere but one case
-#: (within 1%), so it is used nowhere else. MXFP4 weights (other register counts) keep the one-grid
-#: choice: the rule was not measured on them.
+#: (within 1%), so it is used nowhere else.
 PDL3_CORESIDENT = True
+#: ... for MXFP4 weights too: off. Their registers differ (x per chunk 66 instead of 58 at one row
+#: block, 96 instead of 80 without), so the rule picks other grids, often two row blocks per warp;
+#: H200 (the same file, part "mxfp4_rule_check"), its choices against the one-grid ones at M = 1 / 8:
+#: 6144x2048 -9% / -9%, 6144x4096 -7% / -1%, 4096x6144 +1% / 0, 4096x4096 +1% / +2%, 8192x2048
+#: +1% / -3%, 12288x2048 +1% / +5%, 5120x5120 +11% / +18%.
+PDL3_CORESIDENT_MXFP4 = False
 
 
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring
