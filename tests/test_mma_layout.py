@@ -161,8 +161,9 @@ def test_choose_mma_config():
             ((1, 4096, 6144), (8, 8192, 2048), (1, 6144, 4096), (1, 12288, 2048), (1, 6144, 2048))] == \
         ["mma_n16_m8_k256_w1_kw8_pdl3_xc", "mma_n16_m8_k256_w1_kw4_pdl3_xc", "mma_n16_m8_k256_w1_kw4_pdl3",
          "mma_n16_m8_k256_w1_kw2_pdl3", "mma_n16_m8_k256_w1_kw4_pdl3"]
-    for M, N, K, fmt in ((16, 4096, 6144, "nvfp4"), (1, 12288, 6144, "nvfp4"), (1, 4096, 6144, "mxfp4")):
-        assert not choose_mma_config(M, N, K, l2_bytes=h200_l2, fmt=fmt).xc  # 16 tokens, PDL = 2, MXFP4
+    for M, N, K, fmt in ((16, 4096, 6144, "nvfp4"), (1, 12288, 6144, "nvfp4"), (1, 4096, 6144, "mxfp4"),
+                         (1, 4096, 6112, "nvfp4")):  # 16 tokens, PDL = 2, MXFP4, K padded (masked x loads)
+        assert not choose_mma_config(M, N, K, l2_bytes=h200_l2, fmt=fmt).xc
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
     assert short.kw == 1 and short.split_k == 1 and not short.pdl
     with pytest.raises(ValueError, match="block_m"):
@@ -388,6 +389,40 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
                MMAConfig(rb=2, warps=1, kh=4, block_m=16, kw=4, pdl=2, xs=2, xc=True),
                MMAConfig(rb=1, warps=2, kh=2, block_m=8, kw=4, pdl=1, xc=True))
     check_packed_linear(launch_linear_mma, configs, fmt, M, N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("M,N,K,pad", [(1, 4096, 6144, 0), (8, 200, 6112, 0), (3, 96, 4064, 0), (16, 130, 4096, 8),
+                                       (7, 64, 352, 0), (1, 512, 1056, 0), (8, 8192, 2048, 0)])
+def test_gpu_x_per_chunk_is_bitwise_the_step_form(fmt, M, N, K, pad):
+    """``MMAConfig.xc`` reorders loads, not arithmetic: bit for bit what x per step gives, with and
+    without the ring, K padded to the chunk or not, rows farther apart than K (the ring's fallback),
+    kw shrunk to 1 by ``_fit_kw`` (K = 1056), and the heuristic's own choice."""
+    from dataclasses import replace
+
+    from fp4moe.ops.linear import fp4_linear_reference
+    from fp4moe.ops.mma_layout import launch_linear_mma
+
+    torch.manual_seed(0)
+    x = torch.randn(M, K + pad, device="cuda", dtype=torch.bfloat16)[:, :K]
+    w = quantize(torch.randn(N, K, device="cuda"), fmt)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    p = pack_mma(w)
+    ref = fp4_linear_reference(x, w, bias).float()
+    configs = [MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=3), MMAConfig(rb=2, warps=1, kh=2, block_m=8, kw=2, pdl=3),
+               MMAConfig(rb=1, warps=4, kh=4, block_m=16, kw=2, pdl=2), MMAConfig(rb=1, warps=2, kh=4, block_m=8, kw=4, pdl=2, xs=2),
+               MMAConfig(rb=2, warps=2, kh=2, block_m=16, kw=4, pdl=2, xs=3), choose_mma_config(M, N, K, fmt=fmt, l2_bytes=60 << 20)]
+    for c in configs:
+        if c.kw == 1:
+            continue
+        ys = []
+        for xc in (False, True):
+            y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch_linear_mma(x, p, bias, y, replace(c, xc=xc))
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]), c
+        assert float((ys[1].float() - ref).abs().max() / ref.abs().max()) < 1e-2, c
 
 
 @pytest.mark.gpu

@@ -125,17 +125,23 @@ def _x_ring_fill(x_ring, xc_ptrs, xc_mask, c_first, c_last, KH: gl.constexpr, X_
 
 
 @gluon.jit
-def _x_ring_step(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr,
-                 x_layout: gl.constexpr):
-    """Loop step ``it`` (chunk ``c0``) of x's ring: copy step it + X_STAGES - 1 into the slot every
-    warp finished reading a step ago (the membar pass puts the CTA barrier before the copy and one
-    after the wait), wait for step it's copies, and return its x tile in ``x_layout``."""
+def _x_ring_wait(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr):
+    """``_x_ring_step`` up to the wait: step it's ring slot, not yet loaded (``XC`` reads it per chunk)."""
     c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
     async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
                                            mask=xc_mask)
     async_copy.commit_group()
     async_copy.wait_group(X_STAGES - 1)
-    return x_ring.index(it % X_STAGES).load(x_layout)
+    return x_ring.index(it % X_STAGES)
+
+
+@gluon.jit
+def _x_ring_step(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr,
+                 x_layout: gl.constexpr):
+    """Loop step ``it`` (chunk ``c0``) of x's ring: copy step it + X_STAGES - 1 into the slot every
+    warp finished reading a step ago (the membar pass puts the CTA barrier before the copy and one
+    after the wait), wait for step it's copies, and return its x tile in ``x_layout``."""
+    return _x_ring_wait(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH, X_STAGES).load(x_layout)
 
 
 @gluon.jit
@@ -163,17 +169,6 @@ def decode_a_operand(w, s, NB: gl.constexpr, KH: gl.constexpr, DECODE: gl.conste
     v = gl.reshape(v, [NB, KH, 8, 4, 4, 2, 2, 2])  # lane -> (g, t)
     v = gl.permute(v, [0, 6, 2, 1, 4, 7, 3, 5])  # [rb, i1, g, kc, kl, i2, t, i0]
     return gl.convert_layout(gl.reshape(v, [16 * NB, 64 * KH]), a_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _x_ring_wait(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr):
-    """``_x_ring_step`` returning step it's ring slot instead of loading it (``XC``: read per chunk)."""
-    c_pf = gl.minimum(c0 + (X_STAGES - 1) * KH, c_last)
-    async_copy.async_copy_global_to_shared(x_ring.index((it + X_STAGES - 1) % X_STAGES), xc_ptrs + c_pf * 64,
-                                           mask=xc_mask)
-    async_copy.commit_group()
-    async_copy.wait_group(X_STAGES - 1)
-    return x_ring.index(it % X_STAGES)
 
 
 @gluon.jit

@@ -316,7 +316,8 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
     l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
     pdl3 = arch.has_pdl and weight_bytes <= PDL_L2_SHARE * l2
-    coresident = pdl3 and block_m == 8 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
+    # K padded to the 64-K chunk (masked x loads) takes far more registers than the tables say
+    coresident = pdl3 and block_m == 8 and K % KCHUNK == 0 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
     best, best_score = None, None
     for rb in (1, 2):
         for kh in (2, 4):
