@@ -161,9 +161,8 @@ def test_choose_mma_config():
             ((1, 4096, 6144), (8, 8192, 2048), (1, 6144, 4096), (1, 12288, 2048), (1, 6144, 2048))] == \
         ["mma_n16_m8_k256_w1_kw8_pdl3_xc", "mma_n16_m8_k256_w1_kw4_pdl3_xc", "mma_n16_m8_k256_w1_kw4_pdl3",
          "mma_n16_m8_k256_w1_kw2_pdl3", "mma_n16_m8_k256_w1_kw4_pdl3"]
-    for M, N, K, fmt in ((16, 4096, 6144, "nvfp4"), (1, 12288, 6144, "nvfp4"), (1, 4096, 6144, "mxfp4"),
-                         (1, 4096, 6112, "nvfp4")):  # 16 tokens, PDL = 2, MXFP4, K padded (masked x loads)
-        assert not choose_mma_config(M, N, K, l2_bytes=h200_l2, fmt=fmt).xc
+    for M, N, K, fmt in ((16, 4096, 6144, "nvfp4"), (1, 12288, 6144, "nvfp4"), (1, 4096, 6144, "mxfp4")):
+        assert not choose_mma_config(M, N, K, l2_bytes=h200_l2, fmt=fmt).xc  # 16 tokens, PDL = 2, MXFP4
     short = choose_mma_config(1, 4096, 64)  # one 64-K chunk: nothing to split
     assert short.kw == 1 and short.split_k == 1 and not short.pdl
     with pytest.raises(ValueError, match="block_m"):
@@ -219,6 +218,22 @@ def test_kw_xc_register_table_matches_ptxas():
                                 "mxfp4" if mx else "nvfp4", 90, 12288) for (mx, rb, kh, kw) in keys]
     got = {k: (r.registers, r.spill_bytes, r.ok) for k, r in zip(keys, cross_compile(reqs))}
     assert {k: v for k, v in got.items() if v != (KW_REGISTERS_XC[k], 0, True)} == {}
+
+
+def test_kw_registers_hold_where_k_is_padded():
+    """K padded to the 64-K chunk masks x's loads past K_X. The compile request declares K_X a
+    multiple of 16, as the runtime specialises it (x's K is one of the format's blocks), so the
+    loads stay 16-byte vectors and the registers are the tables' (without it ptxas gave 230 and 105)."""
+    from fp4moe.ops.mma_layout import KW_REGISTERS, KW_REGISTERS_XC, mma_compile_request
+    from fp4moe.plan.crosscompile import cross_compile
+
+    cases = [(False, 1, 4, 4, False), (False, 1, 4, 8, False), (False, 1, 4, 4, True), (True, 1, 4, 8, True)]
+    reqs = [mma_compile_request(MMAConfig(rb=rb, warps=1, kh=kh, block_m=8, kw=kw, pdl=3, xc=xc),
+                                "mxfp4" if mx else "nvfp4", 90, 6112 if not mx else 6080) for mx, rb, kh, kw, xc in cases]
+    assert all("K_X" in r.divisible_by_16 for r in reqs)
+    for (mx, rb, kh, kw, xc), r in zip(cases, cross_compile(reqs)):
+        table = KW_REGISTERS_XC[(mx, rb, kh, kw)] if xc else KW_REGISTERS[(mx, 8, rb, kh, kw)]
+        assert r.ok and r.spill_bytes == 0 and r.registers <= table + 8, (mx, rb, kh, kw, xc, r.registers)
 
 
 _COMPILE = r"""

@@ -316,8 +316,7 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
     l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
     pdl3 = arch.has_pdl and weight_bytes <= PDL_L2_SHARE * l2
-    # K padded to the 64-K chunk (masked x loads) takes far more registers than the tables say
-    coresident = pdl3 and block_m == 8 and K % KCHUNK == 0 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
+    coresident = pdl3 and block_m == 8 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
     best, best_score = None, None
     for rb in (1, 2):
         for kh in (2, 4):
@@ -516,7 +515,9 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
         raise ValueError(f"out_dtype: expected 'bf16' or 'fp16', got {out_dtype!r}")
     mx = get_format(fmt) is not NVFP4
     chunks = -(-K // KCHUNK)
-    divisible = ("wq_ptr", "sc_ptr", "x_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym")
+    # K_X is x's K, a multiple of the format's block (16 or 32): the runtime specialises it, which lets
+    # the masked x loads of a K padded to the 64-K chunk stay 16-byte vectors (without it: 230 registers)
+    divisible = ("wq_ptr", "sc_ptr", "x_ptr", "y_ptr", "N", "K", "K_X", "stride_xm", "stride_ym")
     if config.kw > 1:
         if grouped:
             raise ValueError("config.kw: the in-program K split is for the plain linear, not grouped GEMMs")

@@ -549,8 +549,7 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         if chosen.kw == 1:
             return [chosen]
         xc_rule = mma_layout.PDL3_CORESIDENT and (get_format(problem.fmt) is NVFP4 or mma_layout.PDL3_CORESIDENT_MXFP4)
-        xcs = (False, True) if xc_rule and chosen.pdl == 3 and chosen.block_m == 8 and problem.K % mma_layout.KCHUNK == 0 \
-            else (False,)
+        xcs = (False, True) if xc_rule and chosen.pdl == 3 and chosen.block_m == 8 else (False,)
         family = [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=chosen.pdl, xc=xc)
                   for rb in (1, 2) for kh in (2, 4) for kw in (2, 4, 8) for xc in xcs]
         return family + [chosen] * (chosen not in family)  # with its x ring, where it takes one
