@@ -186,6 +186,38 @@ def _kh_chunks(t, KH: gl.constexpr):
         return c0, c1, c2, c3
 
 
+@gluon.jit
+def _step_parts(w, s, KH: gl.constexpr, XC: gl.constexpr):
+    """A step's words [KW, NB, KH, 32, 4] and scale pairs [KW, NB, KH, 32] as the parts the kernel
+    decodes at once: the whole step, or (XC) its KH chunks, each [KW, NB, 1, 32, (4)]."""
+    if XC:
+        w_kc = _kh_chunks(gl.permute(w, [0, 1, 3, 4, 2]), KH)
+        s_kc = _kh_chunks(gl.permute(s, [0, 1, 3, 2]), KH)
+        w_parts = ()
+        s_parts = ()
+        for kc in gl.static_range(KH):
+            w1 = gl.reshape(w_kc[kc], [w.shape[0], w.shape[1], 1, 32, 4])
+            w_parts = w_parts + (w1,)
+            s_parts = s_parts + (gl.convert_layout(gl.reshape(s_kc[kc], [s.shape[0], s.shape[1], 1, 32]),
+                                                   gl.SliceLayout(4, w1.type.layout), assert_trivial=True),)
+        return w_parts, s_parts
+    else:
+        return (w,), (s,)
+
+
+@gluon.jit
+def _x_part(x_slot, x_ptrs, x_k, K_X, c0, j, XK: gl.constexpr, X_STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+            x_layout: gl.constexpr):
+    """x of part j (XK of K) of the step at chunk c0: from the ring's slot, or from global memory
+    (stored K padded to 64: x past K_X reads zeros; the padded weights are zero too)."""
+    if X_STAGES > 0:
+        return x_slot.slice(j * XK, XK, dim=2).load(x_layout)
+    elif EVEN_K:
+        return gl.load(x_ptrs + c0 * 64 + j * XK)
+    else:
+        return gl.load(x_ptrs + c0 * 64 + j * XK, mask=x_k + c0 * 64 + j * XK < K_X, other=0.0)
+
+
 def x_layout(block_m: int, kh: int, warps: int) -> gl.DistributedLinearLayout:
     """x tile [block_m, 64 kh] in stored K order: lane 4g + t reads token g (+ 8 per register
     repeat) and the 16 consecutive K at 16t of each 64-K chunk (two 16-byte loads); replicated
@@ -476,7 +508,8 @@ def fp4_linear_mma_kw_kernel(
     lx_s: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, x_layout))
     lx_m: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, x_layout))
     lx_k: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, x_layout))
-    XK: gl.constexpr = 64 if XC else BLOCK_K  # K of one x load
+    CK: gl.constexpr = 1 if XC else KH  # 64-K chunks per x load and MMA
+    XK: gl.constexpr = 64 * CK
     offs_m = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=lx_m), M - 1)
     x_k = gl.expand_dims(gl.expand_dims(gl.arange(0, KW, layout=lx_s) * (k_chunks_per_slice * 64), 1), 2) \
         + gl.expand_dims(gl.expand_dims(gl.arange(0, XK, layout=lx_k), 0), 1)  # [KW, 1, XK]
@@ -521,48 +554,28 @@ def fp4_linear_mma_kw_kernel(
         xc_mask = gl.expand_dims(gl.expand_dims(rows_c < M, 0), 2)  # rows past M zero-filled, not copied
         _x_ring_fill(x_ring, xc_ptrs, xc_mask, 0, c_last, KH, X_STAGES)
     for c0 in range(0, k_chunks_per_slice, KH):
-        if XC:  # decode, x and MMA one 64-K chunk at a time: x holds a chunk's registers, not a step's
-            if X_STAGES > 0:
-                x_slot = _x_ring_wait(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES)
-            c_next = gl.minimum(c0 + KH, c_last)
-            w_next = gl.load(w_ptrs + c_next * 128)
-            s_next = gl.load(s_ptrs + c_next * S_STEP)
-            w_kc = _kh_chunks(gl.permute(w, [0, 1, 3, 4, 2]), KH)
-            s_kc = _kh_chunks(gl.permute(s, [0, 1, 3, 2]), KH)
-            for kc in gl.static_range(KH):
-                if X_STAGES > 0:
-                    xt = x_slot.slice(kc * 64, 64, dim=2).load(x_layout)
-                elif EVEN_K:
-                    xt = gl.load(x_ptrs + (c0 + kc) * 64)
-                else:
-                    xt = gl.load(x_ptrs + (c0 + kc) * 64, mask=x_k + (c0 + kc) * 64 < K_X, other=0.0)
-                w1 = gl.reshape(w_kc[kc], [KW, NB, 1, 32, 4])
-                s1 = gl.convert_layout(gl.reshape(s_kc[kc], [KW, NB, 1, 32]), gl.SliceLayout(4, w1.type.layout),
-                                       assert_trivial=True)
-                wd = decode_a_operand_kw(w1, s1, KW, NB, 1, DECODE, SCALE, a_layout)
-                xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, 1, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
-                xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, 64]), [0, 2, 1]), b_layout,
-                                       assert_trivial=True)
-                acc = mma_v2(wd, xb, acc)
-            w = w_next
-            s = s_next
+        # x per step, or with XC per chunk: the step's weights split by register renaming, then x,
+        # decode and MMA one part at a time (x holds a part's registers, not a step's)
+        if X_STAGES > 0:
+            x_slot = _x_ring_wait(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES)
         else:
-            if X_STAGES > 0:
-                xt = _x_ring_step(x_ring, xc_ptrs, xc_mask, c0 // KH, c0, c_last, KH, X_STAGES, x_layout)
-            elif EVEN_K:
-                xt = gl.load(x_ptrs + c0 * 64)
-            else:  # stored K padded to 64: x past K_X reads zeros (the padded weights are zero too)
-                xt = gl.load(x_ptrs + c0 * 64, mask=x_k + c0 * 64 < K_X, other=0.0)
-            c_next = gl.minimum(c0 + KH, c_last)
-            w_next = gl.load(w_ptrs + c_next * 128)
-            s_next = gl.load(s_ptrs + c_next * S_STEP)
-            wd = decode_a_operand_kw(w, s, KW, NB, KH, DECODE, SCALE, a_layout)
-            xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, KH, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
-            xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, BLOCK_K]), [0, 2, 1]), b_layout,
+            x_slot = None
+        if not XC:  # the step's x is requested before the next step's weights
+            xt = _x_part(x_slot, x_ptrs, x_k, K_X, c0, 0, XK, X_STAGES, EVEN_K, x_layout)
+        c_next = gl.minimum(c0 + KH, c_last)
+        w_next = gl.load(w_ptrs + c_next * 128)
+        s_next = gl.load(s_ptrs + c_next * S_STEP)
+        w_parts, s_parts = _step_parts(w, s, KH, XC)
+        for j in gl.static_range(KH // CK):
+            if XC:
+                xt = _x_part(x_slot, x_ptrs, x_k, K_X, c0, j, XK, X_STAGES, EVEN_K, x_layout)
+            wd = decode_a_operand_kw(w_parts[j], s_parts[j], KW, NB, CK, DECODE, SCALE, a_layout)
+            xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, CK, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
+            xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, XK]), [0, 2, 1]), b_layout,
                                    assert_trivial=True)
             acc = mma_v2(wd, xb, acc)
-            w = w_next
-            s = s_next
+        w = w_next
+        s = s_next
     if X_STAGES > 0:
         async_copy.wait_group(0)
 

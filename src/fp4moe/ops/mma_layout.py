@@ -316,7 +316,7 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     weight_bytes = -(-N // ROWS) * chunks * (KCHUNK * ROWS // 2) * (1 + (1 / 16 if mx else 1 / 8))  # words, scales
     l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
     pdl3 = arch.has_pdl and weight_bytes <= PDL_L2_SHARE * l2
-    coresident = pdl3 and block_m == 8 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
+    coresident = coresident_rule(mx, block_m, pdl3)
     best, best_score = None, None
     for rb in (1, 2):
         for kh in (2, 4):
@@ -368,6 +368,12 @@ PDL3_CORESIDENT = True
 #: 6144x2048 -9% / -9%, 6144x4096 -7% / -1%, 4096x6144 +1% / 0, 4096x4096 +1% / +2%, 8192x2048
 #: +1% / -3%, 12288x2048 +1% / +5%, 5120x5120 +11% / +18%.
 PDL3_CORESIDENT_MXFP4 = False
+
+
+def coresident_rule(mx: bool, block_m: int, pdl3: bool) -> bool:
+    """Whether ``choose_mma_config`` ranks grids that fit each SM twice and considers x per chunk
+    (``PDL3_CORESIDENT``, ``PDL3_CORESIDENT_MXFP4``) for programs of ``block_m`` tokens."""
+    return pdl3 and block_m == 8 and PDL3_CORESIDENT and (not mx or PDL3_CORESIDENT_MXFP4)
 
 
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring

@@ -542,14 +542,13 @@ class MmaLinearSpec(_MmaSpec, KernelSpec[LinearProblem, Any]):
         and the heuristic's own choice; for K too short to split over warps, the heuristic's one
         program per tile."""
         from ..formats import NVFP4, get_format
-        from ..ops import mma_layout
-        from ..ops.mma_layout import MMAConfig
+        from ..ops.mma_layout import MMAConfig, coresident_rule
 
         chosen = self.heuristic(problem, arch, sm_count)
         if chosen.kw == 1:
             return [chosen]
-        xc_rule = mma_layout.PDL3_CORESIDENT and (get_format(problem.fmt) is NVFP4 or mma_layout.PDL3_CORESIDENT_MXFP4)
-        xcs = (False, True) if xc_rule and chosen.pdl == 3 and chosen.block_m == 8 else (False,)
+        mx = get_format(problem.fmt) is not NVFP4
+        xcs = (False, True) if coresident_rule(mx, chosen.block_m, chosen.pdl == 3) else (False,)
         family = [MMAConfig(rb=rb, warps=1, kh=kh, block_m=chosen.block_m, kw=kw, pdl=chosen.pdl, xc=xc)
                   for rb in (1, 2) for kh in (2, 4) for kw in (2, 4, 8) for xc in xcs]
         return family + [chosen] * (chosen not in family)  # with its x ring, where it takes one
