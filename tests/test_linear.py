@@ -225,6 +225,91 @@ def test_gpu_w4a4_on_packed_kernels(M, dtype, static):
     assert_close(y, fp4_linear_reference(x, w, bias, mode="w4a4", input_global_scale=gs))
 
 
+def test_weight_dequantize_is_the_activation_dequantize(device):
+    """``dequantize_weight`` (one pass over the flat codes, two values per 32-bit word) gives
+    ``dequantize_activations``' exact values bit for bit, contiguous or not (a column slice takes the
+    general kernel); the weight's global scale is left out."""
+    from fp4moe.ops.quantize import dequantize_activations, dequantize_weight
+    from fp4moe.quantize import FP4Tensor
+
+    torch.manual_seed(3)
+    ones = torch.ones(1, device=device)
+    for N, K in ((1, 16), (5, 336), (64, 2048 + 16)):
+        w = fp4moe.quantize(torch.randn(N, K) * 4.0, "nvfp4").to(device)
+        want = dequantize_activations(FP4Tensor(w.data, w.scales, ones, w.shape, w.fmt))[0]
+        assert torch.equal(dequantize_weight(w).view(torch.int16), want.view(torch.int16))
+    cut = FP4Tensor(w.data[:, :64], w.scales[:, :8], w.global_scale, torch.Size((N, 128)), w.fmt)
+    want = dequantize_activations(FP4Tensor(cut.data, cut.scales, ones, cut.shape, cut.fmt))[0]
+    assert torch.equal(dequantize_weight(cut).view(torch.int16), want.view(torch.int16))
+
+
+def test_dequant_matmul_path(device):
+    """Large-batch W4A16 on SM90 (``dequant_matmul_applies``): the rule, and the computation (the
+    exact bf16 weight, torch's matmul with the global scale as alpha, bias) against the reference."""
+    from fp4moe.arch import get_arch
+    from fp4moe.ops import linear as L
+
+    sm90 = get_arch("sm90")
+    assert L.dequant_matmul_applies("w4a16", sm90, L.DEQUANT_MATMUL_MIN_M, 12288, 6144, "nvfp4")
+    assert not L.dequant_matmul_applies("w4a16", sm90, L.DEQUANT_MATMUL_MIN_M - 1, 12288, 6144, "nvfp4")
+    assert not L.dequant_matmul_applies("w4a16", sm90, 16384, 12288, 6144, "mxfp4")
+    assert not L.dequant_matmul_applies("w4a4_emulated", sm90, 16384, 12288, 6144, "nvfp4")
+    assert not L.dequant_matmul_applies("w4a16", get_arch("sm120"), 16384, 12288, 6144, "nvfp4")
+    assert not L.dequant_matmul_applies("w4a16", get_arch("sm80"), 16384, 12288, 6144, "nvfp4")
+    too_big = L.DEQUANT_MATMUL_MAX_BYTES // 2 // 4096 + 16
+    assert not L.dequant_matmul_applies("w4a16", sm90, 16384, too_big, 4096, "nvfp4")
+    torch.manual_seed(5)
+    x = torch.randn(37, 336, device=device).to(torch.bfloat16)
+    w = fp4moe.quantize(torch.randn(80, 336) * 3.0, "nvfp4").to(device)
+    for bias in (None, torch.randn(80, device=device).to(torch.bfloat16)):
+        out = torch.full((37, 80), float("nan"), device=device, dtype=torch.bfloat16)
+        L._dequant_matmul(x, w, float(w.global_scale.reshape(())), bias, out)
+        assert_close(out, fp4_linear_reference(x, w, bias))
+
+
+def test_weight_global_host_follows_in_place_writes():
+    """The global scale as a host float is read once per weight and again after it is written in
+    place (``load_state_dict``) or replaced."""
+    from fp4moe.ops.linear import weight_global_host
+    from fp4moe.quantize import FP4Tensor
+
+    w = fp4moe.quantize(torch.randn(16, 64), "nvfp4")
+    g0 = float(w.global_scale.reshape(()))
+    assert weight_global_host(w) == g0
+    w.global_scale.mul_(2.0)
+    assert weight_global_host(w) == 2.0 * g0
+    w2 = FP4Tensor(w.data, w.scales, torch.tensor([0.5]), w.shape, w.fmt)
+    assert weight_global_host(w2) == 0.5
+
+
+@pytest.mark.gpu
+def test_gpu_large_batch_takes_dequant_matmul():
+    """On SM90, ``fp4_linear`` at ``DEQUANT_MATMUL_MIN_M`` rows and more runs the weight dequantized
+    to bf16 and torch's matmul (under its own guard key): the reference's numbers, bitwise repeatable,
+    replayed in a CUDA graph on new inputs, and under ``torch.compile``; below, the wgmma kernel."""
+    from fp4moe.ops import linear as L
+
+    if L.device_arch(torch.device("cuda")).bf16_mma != "wgmma":
+        pytest.skip("the path is taken on SM90 only")
+    x, w, bias = _problem(Case(L.DEQUANT_MATMUL_MIN_M, 2048, 1024, ""), "nvfp4", "cuda")
+    guard.reset()
+    out = fp4_linear(x, w, bias)
+    assert_close(out, fp4_linear_reference(x, w, bias))
+    assert any(k.kernel.startswith("fp4_linear_dequant_matmul[") for k in guard._checked)
+    assert torch.equal(fp4_linear(x, w, bias), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp4_linear(x, w, bias)
+    x.mul_(-0.5)
+    graph.replay()
+    assert_close(y, fp4_linear_reference(x, w, bias))
+    compiled = torch.compile(lambda a: fp4_linear(a, w, bias), fullgraph=True)
+    assert_close(compiled(x), fp4_linear_reference(x, w, bias))
+    guard.reset()
+    fp4_linear(x[: L.DEQUANT_MATMUL_MIN_M - 1], w, bias)
+    assert not any(k.kernel.startswith("fp4_linear_dequant_matmul[") for k in guard._checked)
+
+
 @pytest.mark.gpu
 def test_gpu_torch_compile_and_cuda_graph():
     from fp4moe.nn import FP4Linear

@@ -20,7 +20,8 @@ from fp4moe.ops.linear import LinearConfig, choose_config, config_smem_bytes, fi
 from fp4moe.plan.cache import CompileCache, default_cache_dir, kernel_source_hash
 from fp4moe.plan.crosscompile import CompileRequest, cross_compile
 from fp4moe.plan.planner import LOOP_FREE_SPILL_LIMIT_BYTES, SPILL_LIMIT_BYTES, PlanError, evaluate, legal_config, plan_many, plan_op
-from fp4moe.plan.space import (KERNELS, DequantizeProblem, LinearProblem, MoEGemmProblem, QuantizeProblem, get_kernel,
+from fp4moe.plan.space import (KERNELS, DequantizeProblem, LinearProblem, MoEGemmProblem, QuantizeProblem, WeightDequantizeProblem,
+                              get_kernel,
                                register)
 
 SM120_FP4_MMA = "mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale"
@@ -68,6 +69,8 @@ def _default_problems(arch):
             items.append(("nvfp4_quantize", QuantizeProblem(M, K)))
             # emulated W4A4's dequantization (the runtime runs it off FP4 MMA; it compiles anywhere)
             items.append(("nvfp4_dequantize", DequantizeProblem(M, K, mma_order=M == 4096)))
+    for shape in GLM5_SHAPES:  # large-batch W4A16's weight to bf16 (runs on SM90; compiles anywhere)
+        items.append(("nvfp4_weight_dequantize", WeightDequantizeProblem(shape.N, shape.K)))
     for T in (16, 4096):  # the MoE layer's grouped GEMMs at GLM-5 TP1 (tests/test_plan_moe.py has more)
         for gemm, (N, K) in ((1, (2048, 6144)), (2, (6144, 2048))):
             for mode in ("w4a16", "w4a4"):
@@ -379,7 +382,7 @@ def test_time_model_tracks_the_h200_measurements():
 
 def test_registry_and_candidates():
     assert set(KERNELS) >= {"fp4_linear", "nvfp4_quantize"}
-    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, nvfp4_dequantize, fp4_moe_gemm, fp4_moe_mma, fp4_moe_wgmma"):
+    with pytest.raises(ValueError, match="no kernel named .nope.; registered: fp4_linear, fp4_linear_mma, fp4_linear_wgmma, nvfp4_quantize, nvfp4_dequantize, nvfp4_weight_dequantize, fp4_moe_gemm, fp4_moe_mma, fp4_moe_wgmma"):
         get_kernel("nope")
     with pytest.raises(ValueError, match="already registered"):
         register(get_kernel("fp4_linear"))
@@ -641,8 +644,11 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
         plan_op("fp4_linear_mma", LinearProblem(1, 4096, 4096, mode="w4a4"), "sm120", compile=False)
     r = plan_op("fp4_linear_wgmma", LinearProblem(4096, 12288, 6144), "sm90", compile=False)
     assert r.chosen is not None and r.chosen.smem.total <= get_arch("sm90").smem_per_block_optin
-    # the plan follows the runtime's routing: wgmma for bf16 prefill on SM90 only
-    assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_wgmma"
+    # the plan follows the runtime's routing: wgmma for bf16 prefill on SM90 only, and from
+    # DEQUANT_MATMUL_MIN_M rows NVFP4 weights to bf16 for torch's matmul (MXFP4 keeps the wgmma kernel)
+    assert _linear_kernel(2048, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_wgmma"
+    assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm90")) == "nvfp4_weight_dequantize"
+    assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm90"), "mxfp4") == "fp4_linear_wgmma"
     assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_mma"
     assert _linear_kernel(1, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear_mma"
     assert _linear_kernel(64, 12288, 6144, "w4a16", get_arch("sm90")) == "fp4_linear_wgmma"  # split along K
@@ -740,3 +746,24 @@ def test_plan_follows_the_runtime_moe_routing():
             if name.startswith("experts")} == {("fp4_moe_mma", "w4a4", "w4a4_emulated_mma")}
     w4a4 = plan_model(glm, arch="sm120", tokens=(16,), mode="w4a4", compile=False)
     assert {(r.kernel, r.problem.mode) for _, name, _, r in w4a4 if name.startswith("experts")} == {("fp4_moe_gemm", "w4a4")}
+    # the dense and shared-expert linears: large-batch W4A16 on SM90 dequantizes the weight for torch's
+    # matmul (``ops.linear.dequant_matmul_applies``), which the plan shows as that kernel on [N, K]
+    dense = {(t, r.kernel, str(r.problem)) for t, name, op, r in rows if not name.startswith("experts")}
+    assert {k for t, k, _ in dense if t == 4096} == {"nvfp4_weight_dequantize"}
+    assert all(p.endswith("-> bf16 (then torch.matmul)") for t, _, p in dense if t == 4096)
+    assert {k for t, k, _ in dense if t == 16} == {"fp4_linear_mma"}
+
+
+@pytest.mark.parametrize("cc", [80, 90, 120])
+def test_weight_dequantize_smem_model_agrees_with_the_compiler(cc, cache):
+    """``nvfp4_weight_dequantize``'s only shared memory is the layout conversion the compiler puts
+    between its byte loads and word stores: the model matches it for every candidate, no spills."""
+    from fp4moe.plan.space import WeightDequantizeProblem
+
+    spec, arch = get_kernel("nvfp4_weight_dequantize"), get_arch(cc)
+    problem = WeightDequantizeProblem(6144, 2048)
+    configs = spec.candidates(problem, arch)
+    results = cross_compile([spec.compile_request(c, problem, arch) for c in configs], cache=cache)
+    for c, r in zip(configs, results):
+        assert r.ok and r.spill_bytes == 0, (c, r.error)
+        assert agrees(spec.smem_model(c, problem, arch).total, r.shared), (str(c), r.shared)

@@ -72,6 +72,8 @@ TOLERANCES["fp4_linear_mma"] = TOLERANCES["fp4_linear"]  # same numerics, weight
 TOLERANCES["fp4_moe_mma"] = TOLERANCES["fp4_moe"]
 TOLERANCES["fp4_linear_wgmma"] = TOLERANCES["fp4_linear"]  # the same decode, wgmma instead of mma.sync
 TOLERANCES["fp4_moe_wgmma"] = TOLERANCES["fp4_moe"]
+# the weight dequantized exactly to bf16, then cuBLAS: the same products, fp32 sums, one rounding
+TOLERANCES["fp4_linear_dequant_matmul"] = TOLERANCES["fp4_linear"]
 
 
 _lock = threading.Lock()

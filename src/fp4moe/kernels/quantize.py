@@ -761,6 +761,30 @@ def _fast_range(g):
 
 
 @triton.jit
+def nvfp4_weight_dequantize_kernel(
+    data_ptr,    # [N * K // 2] uint8 codes of a contiguous weight [N, K]: element 2j in the low nibble of byte j
+    scales_ptr,  # [N * K // 16] uint8 E4M3 bits of its block scales, contiguous
+    out_ptr,     # [N * K // 2] int32 view of the bf16 output [N, K]: code value * block scale, no global scale
+    n_bytes,     # N * K // 2
+    BLOCK: tl.constexpr,  # bytes per program
+    PDL: tl.constexpr,
+):
+    """A contiguous NVFP4 weight to bf16 for ``ops.linear``'s large-batch path: as
+    ``nvfp4_dequantize_kernel`` (the same exact values) but over the flat arrays, each program one
+    run of ``BLOCK`` bytes: with K a multiple of 16, byte f's block scale is scale f // 8 of the
+    flat scales, so no index is per row. Byte f's two values are output elements 2f (low nibble)
+    and 2f + 1: one 32-bit word, stored in the bytes' own layout (no shuffle between threads)."""
+    pdl_enter(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_bytes
+    b = tl.load(data_ptr + offs, mask=ok, other=0)
+    s = e4m3_to_f32(tl.load(scales_ptr + offs // 8, mask=ok, other=0))
+    lo = (e2m1_to_f32(b & 0xF) * s).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    hi = (e2m1_to_f32(b >> 4) * s).to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32)
+    tl.store(out_ptr + offs, (lo | (hi << 16)).to(tl.int32, bitcast=True), mask=ok)
+
+
+@triton.jit
 def nvfp4_dequantize_kernel(
     data_ptr,    # [M, K // 2] uint8 codes (rows stride_dm apart): element 2j in the low nibble of byte j
     scales_ptr,  # [M, K // 16] uint8 E4M3 bits of the block scales (rows stride_sm apart)

@@ -305,6 +305,10 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt,
                                l2_bytes=getattr(props, "L2_cache_size", None) or None) \
         if config is None and _use_mma_layout(x2, w, path) else None
+    if packed_cfg is not None and dequant_matmul_applies(path, arch, M, N, K, w.fmt):
+        g = weight_global_host(w)
+        if g is not None:
+            return _forward_dequant_matmul(x, x2, w, g, bias, out).reshape(*lead, N)
     if packed_cfg is not None:
         packed = mma_packed(w)
         if packed is not None:
@@ -357,6 +361,84 @@ def mma_packed(w: FP4Tensor):
     from .mma_layout import cached_pack, pack_mma
 
     return cached_pack(w, pack_mma, with_global=True)
+
+
+#: large-batch W4A16 on SM90 (``dequant_matmul_applies``): from this many rows the weight is
+#: dequantized to bf16 (one pass, the weight's global scale left out) and multiplied by torch's
+#: matmul (cuBLAS), the global scale as its alpha. H200, the four GLM-5 shapes, both paths and
+#: torch timed interleaved (``scripts/sweep_dequant_matmul.py``, benchmarks/raw/sweep-dequant-matmul-h200.json):
+#: at 4,096 rows 0.94-0.96x torch against the wgmma kernel's 0.83-0.91x, at 16,384 0.96-0.98x against
+#: 0.79-0.91x; at 1,024 and 2,048 each path won on two shapes (the pass over the weight, 55 us for
+#: 12288x6144, weighs more there), so the wgmma kernel keeps them
+DEQUANT_MATMUL_MIN_M = 4096
+#: the largest transient bf16 copy of a weight that path makes (bytes); larger weights keep the wgmma kernel
+DEQUANT_MATMUL_MAX_BYTES = 1 << 30
+
+
+def dequant_matmul_applies(path: Path, arch: Arch | None, M: int, N: int, K: int, fmt: FP4Format | str) -> bool:
+    """Whether ``fp4_linear`` runs ``x @ W^T`` as torch's matmul on W dequantized to bf16 (with bf16
+    x): W4A16 NVFP4 on SM90 (wgmma; measured there) from ``DEQUANT_MATMUL_MIN_M`` rows, for a
+    transient copy of at most ``DEQUANT_MATMUL_MAX_BYTES``. At those sizes the product is bound by
+    tensor cores, where cuBLAS's bf16 GEMM outruns the kernel that decodes FP4 in its main loop
+    by more than one pass over the weight costs. Numerics as the kernels': the products of bf16 x
+    with the exact bf16 values code x block scale, fp32 sums, the global scale applied to those
+    sums (cuBLAS's alpha), bias added, one rounding."""
+    return (path == "w4a16" and arch is not None and arch.bf16_mma == "wgmma" and get_format(fmt) is NVFP4
+            and M >= DEQUANT_MATMUL_MIN_M and N * K * 2 <= DEQUANT_MATMUL_MAX_BYTES)
+
+
+def weight_global_host(w: FP4Tensor) -> float | None:
+    """``w``'s global scale as a Python float (1.0 without one), read once per weight (one host
+    sync) and kept with its storage until the scale is replaced or written in place; None when it
+    would have to be read while a CUDA graph is being captured (the caller takes another path)."""
+    from .mma_layout import _version
+
+    g = w.global_scale
+    if g is None:
+        return 1.0
+    state = (id(g), _version(g))
+    cached = getattr(w.data, "_fp4moe_global_host", None)
+    if cached is None or cached[0] != state:
+        if g.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        cached = (state, float(g.reshape(())))
+        w.data._fp4moe_global_host = cached
+    return cached[1]
+
+
+def _forward_dequant_matmul(x, x2, w: FP4Tensor, g: float, bias, out):
+    """``dequant_matmul_applies``'s path, behind the guard like every kernel: W's codes times its
+    block scales to bf16 (``nvfp4_dequantize_kernel``, exact), then ``out = g * (x2 @ W_hat^T) + bias``
+    in one cuBLAS GEMM (fp32 alpha, fp32 sums, one rounding to bf16)."""
+    key = guard.GuardKey(kernel=f"fp4_linear_dequant_matmul[{w.fmt},{x.dtype}]".replace("torch.", ""),
+                         config="dequantize+torch.addmm", device=guard.device_name(x.device))
+    if guard.should_check(key):
+        guard.check(key, lambda: _probe_dequant_matmul(x.device, x.dtype))
+    if guard.use_reference(key):
+        return fp4_linear_reference(x2, w, bias).to(out.dtype)
+    return _dequant_matmul(x2, w, g, bias, out)
+
+
+def _dequant_matmul(x2, w: FP4Tensor, g: float, bias, out):
+    from .quantize import dequantize_weight
+
+    w_hat = dequantize_weight(w)  # without the global scale: alpha applies it to the fp32 sums
+    if bias is None:
+        return torch.addmm(out, x2, w_hat.t(), beta=0.0, alpha=g, out=out)
+    return torch.addmm(bias, x2, w_hat.t(), beta=1.0, alpha=g, out=out)
+
+
+def _probe_dequant_matmul(device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small problem through ``_dequant_matmul`` and its reference: K not a multiple of 64, a bias,
+    and a global scale other than one."""
+    g = torch.Generator(device="cpu").manual_seed(4321)
+    M, N, K = 37, 80, 336
+    x = torch.randn(M, K, generator=g).to(device=device, dtype=dtype)
+    w = quantize(torch.randn(N, K, generator=g) * 3.0, NVFP4).to(device)
+    bias = torch.randn(N, generator=g).to(device=device, dtype=dtype)
+    out = torch.empty((M, N), dtype=dtype, device=device)
+    _dequant_matmul(x, w, float(w.global_scale.reshape(())), bias, out)
+    return out, fp4_linear_reference(x, w, bias)
 
 
 def _forward_mma(x, x2, w, packed, bias, out, cfg, path: Path = "w4a16", input_global_scale=None):

@@ -27,8 +27,8 @@ from ..quantize import FP4Tensor, quantize
 from ._runtime import pdl_kwargs
 from .linear import device_arch
 
-__all__ = ["DequantizeConfig", "QuantizeConfig", "dequantize_activations", "fake_quantize_activations",
-           "quantize_activations", "quantize_activations_reference"]
+__all__ = ["DequantizeConfig", "QuantizeConfig", "WeightDequantizeConfig", "dequantize_activations",
+           "dequantize_weight", "fake_quantize_activations", "quantize_activations", "quantize_activations_reference"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
@@ -304,6 +304,49 @@ class DequantizeConfig:
 
 #: the most weight global scales the dequantize kernel's first program multiplies (per-expert globals)
 MAX_WEIGHT_GLOBALS = 1024
+
+
+@dataclass(frozen=True)
+class WeightDequantizeConfig:
+    """Launch parameters of ``nvfp4_weight_dequantize_kernel``: ``block`` bytes of codes per program
+    (2 ``block`` output values), ``num_warps``."""
+
+    block: int = 2048
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if not (_is_pow2(self.block) and self.block >= 32 * self.num_warps):
+            raise ValueError(f"block: expected a power of two >= 32 * num_warps, got {self.block}")
+        if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
+            raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
+
+    def __str__(self) -> str:  # the plan's configuration column: what follows the kernel is torch's
+        return f"dequant_block{self.block}_w{self.num_warps} + torch.matmul"
+
+
+def dequantize_weight(w: FP4Tensor, config: WeightDequantizeConfig = WeightDequantizeConfig()) -> torch.Tensor:
+    """A 2-D NVFP4 weight [N, K] to bf16 ``e2m1(code) * e4m3(block scale)`` (exact in bf16), without
+    its global scale: ``ops.linear``'s large-batch path multiplies the GEMM's fp32 sums by that. One
+    pass over contiguous codes and scales (``nvfp4_weight_dequantize_kernel``); other strides go
+    through ``dequantize_activations``. Equals ``dequantize_activations``' values bit for bit."""
+    from ..kernels.quantize import nvfp4_weight_dequantize_kernel
+
+    if not isinstance(w, FP4Tensor) or w.fmt is not NVFP4 or w.data.dim() != 2:
+        raise TypeError("w: expected a 2-D NVFP4 FP4Tensor")
+    N, K = w.shape
+    if not (w.data.is_contiguous() and w.scales.is_contiguous()):
+        ones = torch.ones(1, dtype=torch.float32, device=w.device)
+        return dequantize_activations(FP4Tensor(w.data, w.scales, ones, w.shape, w.fmt))[0]
+    out = torch.empty((N, K), dtype=torch.bfloat16, device=w.device)
+    n_bytes = N * K // 2
+    if n_bytes == 0:
+        return out
+    with torch.cuda.device(w.device) if w.data.is_cuda else contextlib.nullcontext():
+        nvfp4_weight_dequantize_kernel[(triton.cdiv(n_bytes, config.block),)](
+            w.data, w.scales.view(torch.uint8), out.view(torch.int32), n_bytes, BLOCK=config.block,
+            num_warps=config.num_warps,
+            **pdl_kwargs(w.device))
+    return out
 
 
 def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | None = None, *,

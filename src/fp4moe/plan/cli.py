@@ -3,8 +3,9 @@
 For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops``: the experts'
 gate+up and down, planned as the two grouped GEMMs over the local experts, ``fp4_moe_mma`` at
 decode, ``fp4_moe_wgmma`` for SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``,
-``fp4_linear_mma`` for bf16 decode or ``fp4_linear_wgmma`` for SM90 prefill: the kernels the
-runtime runs), the planner picks a
+``fp4_linear_mma`` for bf16 decode or ``fp4_linear_wgmma`` for SM90 prefill, and from
+``ops.linear.DEQUANT_MATMUL_MIN_M`` tokens on SM90 ``nvfp4_weight_dequantize`` followed by torch's
+matmul, which is not planned: the kernels the runtime runs), the planner picks a
 configuration, proves
 it by cross-compiling for the target, and reports shared memory used / allowed with its
 breakdown, registers, MMA instruction, modelled time and fraction of the roofline.
@@ -66,7 +67,7 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     ``fp4_linear`` otherwise)."""
     from ..models import fp4_linear_ops
     from .planner import _resolve, plan_many
-    from .space import LinearProblem, get_kernel
+    from .space import LinearProblem, WeightDequantizeProblem, get_kernel
 
     target = _resolve(arch, gpu)[0]
     fmt = model.fmt if mode == "w4a16" else "nvfp4"
@@ -84,7 +85,10 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                     problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
                 items.append((kernel, problem))
             else:
-                kernel = _linear_kernel(op.M, op.N, op.K, mode, target)
+                kernel = _linear_kernel(op.M, op.N, op.K, mode, target, fmt)
+                if kernel == "nvfp4_weight_dequantize":  # then torch's matmul (cuBLAS): not planned here
+                    items.append((kernel, WeightDequantizeProblem(N=op.N, K=op.K)))
+                    continue
                 # emulated W4A4 on a packed kernel: x dequantized to bf16 (ops.linear._launch_packed)
                 items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
                 if mode == "w4a4":  # each fp4_linear quantizes its own input (a checkpoint's static scale)
@@ -133,16 +137,21 @@ def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
             + _activation_chain("h", pairs, inter, kernel, experts))
 
 
-def _linear_kernel(M: int, N: int, K: int, mode: str, arch) -> str:
+def _linear_kernel(M: int, N: int, K: int, mode: str, arch, fmt: str = "nvfp4") -> str:
     """The registered kernel ``fp4_linear`` runs for this shape on ``arch`` (``ops.linear.packed_config``):
-    bf16 W4A16 decode on the mma.sync kernel, prefill on SM90 on the wgmma kernel, else the Triton kernel;
-    emulated W4A4 (no FP4 MMA) the same packed kernels on its activations dequantized to bf16."""
+    bf16 W4A16 decode on the mma.sync kernel, prefill on SM90 on the wgmma kernel, or from
+    ``DEQUANT_MATMUL_MIN_M`` rows (NVFP4) the weight to bf16 (``nvfp4_weight_dequantize``) then torch's
+    matmul (``dequant_matmul_applies``), else the Triton kernel; emulated W4A4 (no FP4 MMA) the same
+    packed kernels on its activations dequantized to bf16."""
     from ..arch import get_arch
-    from ..ops.linear import packed_config, target_path
+    from ..ops.linear import dequant_matmul_applies, packed_config, target_path
     from ..ops.mma_layout import MMAConfig, WgmmaConfig
 
     arch = get_arch(arch) if arch is not None else None
-    cfg = packed_config(target_path(mode, arch), arch, M, N, K)
+    path = target_path(mode, arch)
+    cfg = packed_config(path, arch, M, N, K, fmt=fmt)
+    if cfg is not None and dequant_matmul_applies(path, arch, M, N, K, fmt):
+        return "nvfp4_weight_dequantize"
     if isinstance(cfg, WgmmaConfig):
         return "fp4_linear_wgmma"
     return "fp4_linear_mma" if isinstance(cfg, MMAConfig) else "fp4_linear"

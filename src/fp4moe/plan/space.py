@@ -15,7 +15,8 @@ A ``KernelSpec`` ties together, for one family of kernels:
 Registered: ``fp4_linear`` (paths w4a16, w4a4_emulated, w4a4_native), ``fp4_linear_mma`` (W4A16
 decode on weights in MMA operand order, ``kernels.linear_mma``, Gluon), ``fp4_linear_wgmma`` (the
 SM90 prefill kernel on weights in MMA operand order, ``kernels.gemm_wgmma``, Gluon), ``nvfp4_quantize``,
-``nvfp4_dequantize`` (emulated W4A4's activations back to bf16),
+``nvfp4_dequantize`` (emulated W4A4's activations back to bf16), ``nvfp4_weight_dequantize`` (a
+weight to bf16 for large-batch W4A16 on SM90, whose GEMM is torch's matmul),
 ``fp4_moe_gemm`` (the MoE layer's two grouped GEMMs, ``kernels.moe.moe_gemm_kernel``),
 ``fp4_moe_mma`` and ``fp4_moe_wgmma`` (the same GEMMs on the mma.sync kernel at decode and on the
 wgmma kernel at SM90 prefill).
@@ -951,6 +952,93 @@ class DequantizeSpec(KernelSpec[DequantizeProblem, Any]):
 
 
 # ------------------------------------------------------------------------------------------
+# nvfp4_weight_dequantize
+
+
+@dataclass(frozen=True)
+class WeightDequantizeProblem:
+    """A contiguous NVFP4 weight [N, K] to bf16 without its global scale
+    (``ops.quantize.dequantize_weight``): the first half of ``fp4_linear``'s large-batch path on SM90
+    (``ops.linear.dequant_matmul_applies``), whose GEMM is torch's bf16 matmul (cuBLAS, not planned)."""
+
+    N: int
+    K: int
+
+    def __post_init__(self) -> None:
+        if self.N < 1 or self.K < 16 or self.K % 16:
+            raise ValueError(f"expected N >= 1 and K a multiple of 16, got N={self.N} K={self.K}")
+
+    def __str__(self) -> str:
+        return f"N={self.N} K={self.K} -> bf16 (then torch.matmul)"
+
+
+_WEIGHT_DEQUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_weight_dequantize_kernel")
+
+
+class WeightDequantizeSpec(KernelSpec[WeightDequantizeProblem, Any]):
+    """``kernels.quantize.nvfp4_weight_dequantize_kernel``: runs of bytes over the flat arrays,
+    elementwise, no shared memory."""
+
+    name = "nvfp4_weight_dequantize"
+    problem_type = WeightDequantizeProblem
+
+    @property
+    def config_type(self) -> type:  # type: ignore[override]
+        from ..ops.quantize import WeightDequantizeConfig
+
+        return WeightDequantizeConfig
+
+    def candidates(self, problem: WeightDequantizeProblem, arch: Arch) -> list:
+        """1,024..8,192 bytes per program, 8..64 bytes per thread."""
+        from ..ops.quantize import WeightDequantizeConfig
+
+        self.check_problem(problem)
+        return [WeightDequantizeConfig(block=b, num_warps=w) for b in (1024, 2048, 4096, 8192) for w in (2, 4, 8)
+                if 8 <= b // (32 * w) <= 64]
+
+    def heuristic(self, problem: WeightDequantizeProblem, arch: Arch, sm_count: int | None = None):
+        from ..ops.quantize import WeightDequantizeConfig
+
+        self.check_problem(problem)
+        return WeightDequantizeConfig()  # what dequantize_weight runs
+
+    def smem_model(self, config, problem: WeightDequantizeProblem, arch: Arch) -> SmemBreakdown:
+        """No buffer of its own; the compiler moves the values from the byte loads' layout (16 bytes
+        per thread) to the 32-bit stores' (4 words) through a scratch of 16 bytes per thread, 32 where
+        a thread has only 8 bytes (Triton 3.6, SM80/90/120, every candidate)."""
+        from .smem import SmemTerm
+
+        self.check_config(config)
+        threads = 32 * config.num_warps
+        scratch = 16 * threads * (2 if config.block // threads < 16 else 1)
+        return SmemBreakdown((SmemTerm("bytes -> words layout conversion", scratch,
+                                       source="convert_layout scratch (load and store layouts differ)"),))
+
+    def compile_request(self, config, problem: WeightDequantizeProblem, arch: Arch) -> CompileRequest:
+        types = {"data_ptr": "*u8", "scales_ptr": "*u8", "out_ptr": "*i32", "n_bytes": "i32"}
+        values = {"BLOCK": config.block, "PDL": arch.has_pdl}
+        n_bytes = problem.N * problem.K // 2  # the runtime specialises it where it is a multiple of 16
+        divisible = ("data_ptr", "scales_ptr", "out_ptr") + (("n_bytes",) if n_bytes % 16 == 0 else ())
+        return _source_request(self.name, _WEIGHT_DEQUANTIZE_KERNEL, types, values, divisible, arch, config.num_warps)
+
+    def expected_mma(self, problem: WeightDequantizeProblem, arch: Arch) -> None:
+        return None  # elementwise: no tensor cores
+
+    def model_time(self, config, problem: WeightDequantizeProblem, gpu: GPU, *,
+                   registers: int | None = None) -> TimeEstimate:
+        n = problem.N * problem.K
+        programs = _cdiv(n // 2, config.block)
+        nbytes = n // 2 + n // 16 + n * 2  # codes and scales in, bf16 out
+        ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=0)
+        flops = 6 * n
+        peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate, as for the quantizer
+        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                       ctas_per_sm=ctas)
+        return TimeEstimate(us=us, bound_us=nbytes / _bandwidth(gpu), limiter=limiter, programs=programs,
+                            waves=waves, ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak)
+
+
+# ------------------------------------------------------------------------------------------
 # fp4_moe_gemm
 
 
@@ -1382,6 +1470,7 @@ register(MmaLinearSpec())
 register(WgmmaLinearSpec())
 register(QuantizeSpec())
 register(DequantizeSpec())
+register(WeightDequantizeSpec())
 register(MoEGemmSpec())
 register(MmaMoESpec())
 register(WgmmaMoESpec())
