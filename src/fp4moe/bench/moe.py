@@ -23,7 +23,7 @@ from .timing import ClockMonitor, rotating, time_cuda_graphs
 
 __all__ = ["DEFAULT_MS", "OEA_MS", "moe_bound_us", "run_moe_bench"]
 
-DEFAULT_MS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096)
+DEFAULT_MS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 OEA_MS: tuple[int, ...] = (8, 16, 32, 64)
 
 
