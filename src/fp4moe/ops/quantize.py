@@ -297,10 +297,16 @@ class DequantizeConfig:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        if not (_is_pow2(self.block_k) and self.block_k >= 32 * self.num_warps):
-            raise ValueError(f"block_k: expected a power of two >= 32 * num_warps, got {self.block_k}")
-        if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
-            raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
+        _check_elementwise_tile("block_k", self.block_k, self.num_warps)
+
+
+def _check_elementwise_tile(name: str, size: int, num_warps: int) -> None:
+    """An elementwise kernel's tile: ``size`` (a power of two) elements over ``num_warps`` warps."""
+    if not (_is_pow2(size) and size >= 32 * num_warps):
+        raise ValueError(f"{name}: expected a power of two >= 32 * num_warps, got {size}")
+    if not (_is_pow2(num_warps) and num_warps <= 16):
+        raise ValueError(f"num_warps: expected a power of two <= 16, got {num_warps}")
+
 
 #: the most weight global scales the dequantize kernel's first program multiplies (per-expert globals)
 MAX_WEIGHT_GLOBALS = 1024
@@ -315,10 +321,7 @@ class WeightDequantizeConfig:
     num_warps: int = 4
 
     def __post_init__(self) -> None:
-        if not (_is_pow2(self.block) and self.block >= 32 * self.num_warps):
-            raise ValueError(f"block: expected a power of two >= 32 * num_warps, got {self.block}")
-        if not (_is_pow2(self.num_warps) and self.num_warps <= 16):
-            raise ValueError(f"num_warps: expected a power of two <= 16, got {self.num_warps}")
+        _check_elementwise_tile("block", self.block, self.num_warps)
 
     def __str__(self) -> str:  # the plan's configuration column: what follows the kernel is torch's
         return f"dequant_block{self.block}_w{self.num_warps} + torch.matmul"

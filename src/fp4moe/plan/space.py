@@ -977,7 +977,7 @@ _WEIGHT_DEQUANTIZE_KERNEL = ("fp4moe.kernels.quantize", "nvfp4_weight_dequantize
 
 class WeightDequantizeSpec(KernelSpec[WeightDequantizeProblem, Any]):
     """``kernels.quantize.nvfp4_weight_dequantize_kernel``: runs of bytes over the flat arrays,
-    elementwise, no shared memory."""
+    elementwise; its only shared memory is a layout conversion the compiler inserts."""
 
     name = "nvfp4_weight_dequantize"
     problem_type = WeightDequantizeProblem
