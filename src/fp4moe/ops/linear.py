@@ -390,7 +390,9 @@ def dequant_matmul_applies(path: Path, arch: Arch | None, M: int, N: int, K: int
 def weight_global_host(w: FP4Tensor) -> float | None:
     """``w``'s global scale as a Python float (1.0 without one), read once per weight (one host
     sync) and kept with its storage until the scale is replaced or written in place; None when it
-    would have to be read while a CUDA graph is being captured (the caller takes another path)."""
+    would have to be read while a CUDA graph is being captured (the caller takes another path).
+    A graph captured on ``_dequant_matmul`` keeps the value it was captured with, as every captured
+    graph keeps the packed weights it was captured with: write weights before capturing."""
     from .mma_layout import _version
 
     g = w.global_scale
