@@ -239,7 +239,8 @@ def test_weight_dequantize_is_the_activation_dequantize(device):
         want = dequantize_activations(FP4Tensor(w.data, w.scales, ones, w.shape, w.fmt))[0]
         assert torch.equal(dequantize_weight(w).view(torch.int16), want.view(torch.int16))
     cut = FP4Tensor(w.data[:, :64], w.scales[:, :8], w.global_scale, torch.Size((N, 128)), w.fmt)
-    want = dequantize_activations(FP4Tensor(cut.data, cut.scales, ones, cut.shape, cut.fmt))[0]
+    assert not cut.data.is_contiguous()
+    want = dequantize_weight(w)[:, :128]  # the flat kernel's values on the whole weight
     assert torch.equal(dequantize_weight(cut).view(torch.int16), want.view(torch.int16))
 
 
@@ -280,6 +281,10 @@ def test_weight_global_host_follows_in_place_writes():
     assert weight_global_host(w) == 2.0 * g0
     w2 = FP4Tensor(w.data, w.scales, torch.tensor([0.5]), w.shape, w.fmt)
     assert weight_global_host(w2) == 0.5
+    # a NaN block scale written in place is found at the next read, as pack_mma finds it
+    w.scales.view(torch.uint8)[3, 1] = 0x7F
+    with pytest.raises(ValueError, match="NaN"):
+        weight_global_host(w)
 
 
 @pytest.mark.gpu
@@ -307,6 +312,10 @@ def test_gpu_large_batch_takes_dequant_matmul():
     assert_close(compiled(x), fp4_linear_reference(x, w, bias))
     guard.reset()
     fp4_linear(x[: L.DEQUANT_MATMUL_MIN_M - 1], w, bias)
+    assert not any(k.kernel.startswith("fp4_linear_dequant_matmul[") for k in guard._checked)
+    # an fp32 bias (which addmm would refuse with bf16 x) keeps the wgmma kernel
+    guard.reset()
+    assert_close(fp4_linear(x, w, bias.float()), fp4_linear_reference(x, w, bias.float()))
     assert not any(k.kernel.startswith("fp4_linear_dequant_matmul[") for k in guard._checked)
 
 

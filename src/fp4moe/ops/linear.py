@@ -305,7 +305,8 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt,
                                l2_bytes=getattr(props, "L2_cache_size", None) or None) \
         if config is None and _use_mma_layout(x2, w, path) else None
-    if packed_cfg is not None and dequant_matmul_applies(path, arch, M, N, K, w.fmt):
+    if (packed_cfg is not None and dequant_matmul_applies(path, arch, M, N, K, w.fmt)
+            and (bias is None or bias.dtype == x.dtype)):  # addmm adds a bias of out's dtype only
         g = weight_global_host(w)
         if g is not None:
             return _forward_dequant_matmul(x, x2, w, g, bias, out).reshape(*lead, N)
@@ -369,7 +370,9 @@ def mma_packed(w: FP4Tensor):
 #: torch timed interleaved (``scripts/sweep_dequant_matmul.py``, benchmarks/raw/sweep-dequant-matmul-h200.json):
 #: at 4,096 rows 0.94-0.96x torch against the wgmma kernel's 0.83-0.91x, at 16,384 0.96-0.98x against
 #: 0.79-0.91x; at 1,024 and 2,048 each path won on two shapes (the pass over the weight, 55 us for
-#: 12288x6144, weighs more there), so the wgmma kernel keeps them
+#: 12288x6144, weighs more there), so the wgmma kernel keeps them. Those sweep numbers were taken
+#: with an earlier dequantize kernel (one value per store); the bench with the committed one (two per
+#: 32-bit word), benchmarks/linear-h200.md: 0.92-0.94x at 4,096, 0.92-0.98x at 16,384
 DEQUANT_MATMUL_MIN_M = 4096
 #: the largest transient bf16 copy of a weight that path makes (bytes); larger weights keep the wgmma kernel
 DEQUANT_MATMUL_MAX_BYTES = 1 << 30
@@ -382,36 +385,42 @@ def dequant_matmul_applies(path: Path, arch: Arch | None, M: int, N: int, K: int
     tensor cores, where cuBLAS's bf16 GEMM outruns the kernel that decodes FP4 in its main loop
     by more than one pass over the weight costs. Numerics as the kernels': the products of bf16 x
     with the exact bf16 values code x block scale, fp32 sums, the global scale applied to those
-    sums (cuBLAS's alpha), bias added, one rounding."""
+    sums (cuBLAS's alpha), bias added, one rounding (cuBLAS may reduce split-K partials in bf16
+    where ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` allows it)."""
     return (path == "w4a16" and arch is not None and arch.bf16_mma == "wgmma" and get_format(fmt) is NVFP4
             and M >= DEQUANT_MATMUL_MIN_M and N * K * 2 <= DEQUANT_MATMUL_MAX_BYTES)
 
 
 def weight_global_host(w: FP4Tensor) -> float | None:
     """``w``'s global scale as a Python float (1.0 without one), read once per weight (one host
-    sync) and kept with its storage until the scale is replaced or written in place; None when it
+    sync, with the check that its NVFP4 block scales hold no NaN, which ``pack_mma`` makes on the
+    other paths) and kept with its storage until the scales are replaced or written in place; None when it
     would have to be read while a CUDA graph is being captured (the caller takes another path).
+    Inference-mode scales count no writes: their value is read once, as packs are made once.
     A graph captured on ``_dequant_matmul`` keeps the value it was captured with, as every captured
     graph keeps the packed weights it was captured with: write weights before capturing."""
     from .mma_layout import _version
 
     g = w.global_scale
-    if g is None:
-        return 1.0
-    state = (id(g), _version(g))
+    state = (_version(w.scales), None if g is None else _version(g))
     cached = getattr(w.data, "_fp4moe_global_host", None)
-    if cached is None or cached[0] != state:
-        if g.is_cuda and torch.cuda.is_current_stream_capturing():
+    # the scale tensor itself (identity, not id(): a freed scale's id can be reused) and the writes
+    if cached is None or cached[0] is not g or cached[1] != state:
+        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        cached = (state, float(g.reshape(())))
+        if bool(((w.scales.view(torch.uint8) & 0x7F) == 0x7F).any()):  # as pack_mma rejects them
+            raise ValueError("w: NVFP4 scales contain NaN (E4M3 0x7F)")
+        cached = (g, state, 1.0 if g is None else float(g.reshape(())))
         w.data._fp4moe_global_host = cached
-    return cached[1]
+    return cached[2]
 
 
 def _forward_dequant_matmul(x, x2, w: FP4Tensor, g: float, bias, out):
     """``dequant_matmul_applies``'s path, behind the guard like every kernel: W's codes times its
-    block scales to bf16 (``nvfp4_dequantize_kernel``, exact), then ``out = g * (x2 @ W_hat^T) + bias``
-    in one cuBLAS GEMM (fp32 alpha, fp32 sums, one rounding to bf16)."""
+    block scales to bf16 (``kernels.quantize.nvfp4_weight_dequantize_kernel``, exact), then
+    ``out = g * (x2 @ W_hat^T) + bias`` in one cuBLAS GEMM (fp32 alpha, fp32 accumulation unless
+    ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` lets cuBLAS reduce split-K
+    partials in bf16; one rounding to bf16 otherwise)."""
     key = guard.GuardKey(kernel=f"fp4_linear_dequant_matmul[{w.fmt},{x.dtype}]".replace("torch.", ""),
                          config="dequantize+torch.addmm", device=guard.device_name(x.device))
     if guard.should_check(key):

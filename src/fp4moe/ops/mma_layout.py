@@ -73,15 +73,16 @@ def cached_pack(w: FP4Tensor, make, *, with_global: bool):
     copies into the buffers; torch counts in-place writes in ``Tensor._version``) or, ``with_global``,
     its global scale replaced or written. None when a pack is needed while a CUDA graph is being
     captured (packing allocates): the caller then runs a kernel on ``w`` itself."""
-    state = (_version(w.data), _version(w.scales))
-    if with_global:
-        state += (None,) if w.global_scale is None else (id(w.global_scale), _version(w.global_scale))
+    g = w.global_scale if with_global else None
+    state = (_version(w.data), _version(w.scales), None if g is None else _version(g))
     packed = getattr(w.data, "_fp4moe_mma", None)
-    if packed is None or getattr(w.data, "_fp4moe_mma_state", None) != state:
+    if (packed is None or getattr(w.data, "_fp4moe_mma_state", None) != state
+            or getattr(w.data, "_fp4moe_mma_global", None) is not g):
         if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         packed = make(w)
-        w.data._fp4moe_mma, w.data._fp4moe_mma_state = packed, state
+        # the global tensor itself, compared by identity: an id() could be reused by a new scale
+        w.data._fp4moe_mma, w.data._fp4moe_mma_state, w.data._fp4moe_mma_global = packed, state, g
     return packed
 
 
