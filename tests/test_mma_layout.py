@@ -184,6 +184,14 @@ def test_choose_mma_config():
         MMAConfig(xc=True)  # x per chunk is a mode of the in-program K split
     c = MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=8, pdl=3, xs=2, xc=True)
     assert str(c) == "mma_n16_m8_k256_w1_kw8_pdl3_xs2_xc" and MMAConfig.parse(str(c)) == c
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="xa"):
+        MMAConfig(kw=4, xa=True)  # x a chunk ahead is a mode of x per chunk
+    with pytest.raises(ValueError, match="xa"):
+        replace(c, xa=True)  # ... in registers, not through the ring
+    c = replace(c, xs=0, xa=True)
+    assert str(c) == "mma_n16_m8_k256_w1_kw8_pdl3_xc_xa" and MMAConfig.parse(str(c)) == c
 
 
 def test_fit_kw_gives_every_slice_whole_steps():
@@ -234,6 +242,26 @@ def test_kw_registers_hold_where_k_is_padded():
     for (mx, rb, kh, kw, xc), r in zip(cases, cross_compile(reqs)):
         table = KW_REGISTERS_XC[(mx, rb, kh, kw)] if xc else KW_REGISTERS[(mx, 8, rb, kh, kw)]
         assert r.ok and r.spill_bytes == 0 and r.registers <= table + 8, (mx, rb, kh, kw, xc, r.registers)
+
+
+def test_kw_x_ahead_compiles_without_spills():
+    """``MMAConfig.xa`` (x one chunk ahead, opt-in) compiles for SM80/90/120 at most a chunk of x (16
+    registers at 16 tokens) above x per chunk, without spills on SM80/90; sm_120's ptxas stops at 80
+    registers and spills 18 bytes, outside the K loop (measured, Triton 3.6)."""
+    from dataclasses import replace
+
+    from fp4moe.ops.mma_layout import mma_compile_request
+    from fp4moe.plan.crosscompile import cross_compile
+
+    base = MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xc=True)
+    cases = [(cc, xa) for cc in (80, 90, 120) for xa in (False, True)]
+    reqs = [mma_compile_request(replace(base, xa=xa, pdl=base.pdl if cc >= 90 else 0), "nvfp4", cc, 6144)
+            for cc, xa in cases]
+    got = dict(zip(cases, cross_compile(reqs)))
+    for cc in (80, 90, 120):
+        r, ra = got[(cc, False)], got[(cc, True)]
+        assert ra.ok and not ra.loop_spill_ops and ra.registers <= r.registers + 16, (cc, r.registers, ra.registers)
+        assert cc == 120 or ra.spill_bytes == 0, (cc, ra.spill_bytes)
 
 
 _COMPILE = r"""
@@ -411,8 +439,8 @@ def test_gpu_kernel_matches_reference(fmt, M, N, K):
 @pytest.mark.parametrize("M,N,K,pad", [(1, 4096, 6144, 0), (8, 200, 6112, 0), (3, 96, 4064, 0), (16, 130, 4096, 8),
                                        (7, 64, 352, 0), (1, 512, 1056, 0), (8, 8192, 2048, 0)])
 def test_gpu_x_per_chunk_is_bitwise_the_step_form(fmt, M, N, K, pad):
-    """``MMAConfig.xc`` reorders loads, not arithmetic: bit for bit what x per step gives, with and
-    without the ring, K padded to the chunk or not, rows farther apart than K (the ring's fallback),
+    """``MMAConfig.xc`` (and ``xa``, x a chunk ahead) reorders loads, not arithmetic: bit for bit what
+    x per step gives, with and without the ring, K padded to the chunk or not, rows farther apart than K (the ring's fallback),
     kw shrunk to 1 by ``_fit_kw`` (K = 1056), and the heuristic's own choice."""
     from dataclasses import replace
 
@@ -432,11 +460,11 @@ def test_gpu_x_per_chunk_is_bitwise_the_step_form(fmt, M, N, K, pad):
         if c.kw == 1:
             continue
         ys = []
-        for xc in (False, True):
+        for v in (dict(xc=False, xa=False), dict(xc=True, xa=False), dict(xc=True, xa=True, xs=0)):
             y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            launch_linear_mma(x, p, bias, y, replace(c, xc=xc))
+            launch_linear_mma(x, p, bias, y, replace(c, **v))
             ys.append(y)
-        assert torch.equal(ys[0], ys[1]), c
+        assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), c
         assert float((ys[1].float() - ref).abs().max() / ref.abs().max()) < 1e-2, c
 
 

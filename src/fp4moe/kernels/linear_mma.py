@@ -468,6 +468,7 @@ def fp4_linear_mma_kw_kernel(
     # 3 as 2, and first request the program's whole share of weights and scales into L2 (bulk prefetch)
     X_STAGES: gl.constexpr,  # 0 or a ring of x steps in shared memory, per K slice (``fp4_linear_mma_kernel``'s)
     XC: gl.constexpr = False,  # x read per 64-K chunk just before its MMA (X_LAYOUT then that of one chunk)
+    XA: gl.constexpr = False,  # with XC, x read one chunk ahead of its MMA (two chunks' registers; X_STAGES 0)
 ):
     """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
     KW groups of WARPS warps each sum a K slice of the same BLOCK_N x BLOCK_M tile, and the program
@@ -553,6 +554,8 @@ def fp4_linear_mma_kw_kernel(
             + gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_K, layout=lc_k), 0), 1)
         xc_mask = gl.expand_dims(gl.expand_dims(rows_c < M, 0), 2)  # rows past M zero-filled, not copied
         _x_ring_fill(x_ring, xc_ptrs, xc_mask, 0, c_last, KH, X_STAGES)
+    if XA:  # the first chunk's x; each chunk then requests the next one's before its decode and MMA
+        xt = _x_part(None, x_ptrs, x_k, K_X, 0, 0, XK, 0, EVEN_K, x_layout)
     for c0 in range(0, k_chunks_per_slice, KH):
         # x per step, or with XC per chunk: the step's weights split by register renaming, then x,
         # decode and MMA one part at a time (x holds a part's registers, not a step's)
@@ -567,13 +570,20 @@ def fp4_linear_mma_kw_kernel(
         s_next = gl.load(s_ptrs + c_next * S_STEP)
         w_parts, s_parts = _step_parts(w, s, KH, XC)
         for j in gl.static_range(KH // CK):
-            if XC:
+            if XA:  # the next chunk's x: this step's next, or the next step's first (the last step re-reads its own)
+                if j + 1 < KH:
+                    x_ahead = _x_part(None, x_ptrs, x_k, K_X, c0, j + 1, XK, 0, EVEN_K, x_layout)
+                else:
+                    x_ahead = _x_part(None, x_ptrs, x_k, K_X, c_next, 0, XK, 0, EVEN_K, x_layout)
+            elif XC:
                 xt = _x_part(x_slot, x_ptrs, x_k, K_X, c0, j, XK, X_STAGES, EVEN_K, x_layout)
             wd = decode_a_operand_kw(w_parts[j], s_parts[j], KW, NB, CK, DECODE, SCALE, a_layout)
             xb = gl.permute(gl.reshape(xt, [KW, BLOCK_M, CK, 4, 4, 2, 2]), [0, 1, 2, 4, 5, 3, 6])
             xb = gl.convert_layout(gl.permute(gl.reshape(xb, [KW, BLOCK_M, XK]), [0, 2, 1]), b_layout,
                                    assert_trivial=True)
             acc = mma_v2(wd, xb, acc)
+            if XA:
+                xt = x_ahead
         w = w_next
         s = s_next
     if X_STAGES > 0:

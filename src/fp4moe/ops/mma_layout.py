@@ -187,7 +187,9 @@ class MMAConfig:
     warp loading it into registers at the start of each step (0); the launcher keeps 0 where x's row
     stride is not a multiple of 16 elements, its start not 16-byte aligned, or K is padded.
     ``xc`` (with ``kw``): each step's x is read, decoded weights made and MMAs issued one 64-K chunk
-    at a time, so x holds a chunk's registers instead of a step's (16 tokens: 16 instead of 64)."""
+    at a time, so x holds a chunk's registers instead of a step's (16 tokens: 16 instead of 64).
+    ``xa`` (with ``xc``, x in registers): each chunk's x is requested one chunk ahead of its MMA (two
+    chunks' registers), so its latency hides behind the previous chunk's decode and MMAs."""
 
     rb: int = 1
     warps: int = 4
@@ -198,6 +200,7 @@ class MMAConfig:
     pdl: int = 0
     xs: int = 0
     xc: bool = False
+    xa: bool = False
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -225,6 +228,8 @@ class MMAConfig:
             raise ValueError("MMAConfig.pdl: only the in-program K split (kw > 1) launches with PDL")
         if self.xc and self.kw == 1:
             raise ValueError("MMAConfig.xc: x per chunk is a mode of the in-program K split (kw > 1)")
+        if self.xa and not (self.xc and self.xs == 0):
+            raise ValueError("MMAConfig.xa: x a chunk ahead is a mode of x per chunk in registers (xc, xs = 0)")
 
     @property
     def block_n(self) -> int:
@@ -236,18 +241,19 @@ class MMAConfig:
         pdl = ("", "_pdl", "_pdl2", "_pdl3")[self.pdl]
         xs = f"_xs{self.xs}" if self.xs else ""
         xc = "_xc" if self.xc else ""
+        xc += "_xa" if self.xa else ""
         return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}{xc}"
 
     @classmethod
     def parse(cls, name: str) -> MMAConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``mma_n16_m8_k256_w1_kw4_pdl2``."""
-        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?(_xc)?", name)
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?(_xc)?(_xa)?", name)
         if not m or int(m[1]) % (16 * int(m[4])) or int(m[3]) % 64:
             raise ValueError(f"MMAConfig.parse: not a configuration name: {name!r}")
         n, bm, k, w = (int(g) for g in m.groups()[:4])
         return cls(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=int(m[5] or 1), kw=int(m[6] or 1),
                    pdl={None: 0, "_pdl": 1, "_pdl2": 2, "_pdl3": 3}[m[7]], xs=int(m[8] or 0),
-                   xc=bool(m[9]))
+                   xc=bool(m[9]), xa=bool(m[10]))
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -449,7 +455,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, FOLD=FOLD_E8M0 if mx else FOLD_E4M3,
         DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout_kw(config.block_m, 1 if config.xc else kh, config.warps, kw), XC=config.xc,
-        EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
+        XA=config.xa, EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
         num_warps=config.warps * kw, launch_pdl=pdl > 0,
     )
     return out
@@ -538,7 +544,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
                                     "args": [config.block_m, 1 if config.xc else kh, config.warps, kw]},
                           EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0,
-                          X_STAGES=config.xs if chunks * KCHUNK == K else 0, XC=config.xc)
+                          X_STAGES=config.xs if chunks * KCHUNK == K else 0, XC=config.xc, XA=config.xa)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
