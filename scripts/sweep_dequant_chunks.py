@@ -1,11 +1,13 @@
 """Large-batch W4A16 NVFP4 through torch's matmul: the whole weight dequantized to bf16 once
 (``ops.linear._dequant_matmul``, what runs today) against the weight taken in chunks of rows, each
-dequantized into one reused scratch buffer (small enough to stay in the L2 between its write and the
-GEMM's read) and multiplied into its columns of the output, on one stream or with the next chunk's
+dequantized into one reused scratch buffer (1,024 rows of K = 6,144 are 12.6 MB, which the L2 can
+keep between the write and the GEMM's read; 4,096 rows of K = 12,288, 100 MB, cannot) and
+multiplied into its columns of the output, on one stream or with the next chunk's
 dequantize on a second stream beside this chunk's GEMM; torch's bf16 matmul in the same interleaved
-replays (``time_cuda_graphs``). Question: does keeping the bf16 copy out of DRAM (less traffic, less
-energy at the 700 W cap) or overlapping the pass close the gap to torch? Each variant is checked
-against the reference first. GPU only.
+replays (``time_cuda_graphs``). Question: does keeping the bf16 copy out of DRAM, or overlapping the
+pass, close the gap to torch? Time and SM clock are recorded; energy and L2 hits are not measured.
+Each chunk's GEMM reads all of x again. Each variant is checked against the reference first, on an
+output filled with NaN. GPU only.
 Usage: PYTHONPATH=src python3 scripts/sweep_dequant_chunks.py [--shapes 12288x6144,...] [--ms 4096,16384]
 [--chunks 1024,2048,4096] [--out DIR]"""
 import argparse
@@ -102,6 +104,7 @@ def main() -> None:
             ref = L.fp4_linear_reference(x, ws[0]).float()
             bad = []
             for name, fn in fns.items():
+                out.fill_(float("nan"))  # every variant must write every column itself
                 y = fn(ws[0], gs[0]).float()
                 err = float((y - ref).abs().max() / ref.abs().max())
                 row[f"{name}_rel_err"] = err

@@ -31,7 +31,7 @@ def main() -> None:
     ms = [int(m) for m in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     names = args.configs.split(",")
-    # the runtime's choice with fields replaced: default_pdl3, default_xs2, default_pdl3_xs2, default_xc
+    # the runtime's choice with fields replaced: default_pdl3, default_xs2, default_pdl3_xs2, default_xc, default_xc_xa (xs 0)
     variants = []
     for c in names:
         m = re.fullmatch(r"default(?:_pdl(\d))?(?:_xs(\d))?(_xc)?(_xa)?", c)

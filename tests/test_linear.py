@@ -281,10 +281,22 @@ def test_weight_global_host_follows_in_place_writes():
     assert weight_global_host(w) == 2.0 * g0
     w2 = FP4Tensor(w.data, w.scales, torch.tensor([0.5]), w.shape, w.fmt)
     assert weight_global_host(w2) == 0.5
-    # a NaN block scale written in place is found at the next read, as pack_mma finds it
+    # a NaN block scale written in place is found at the next read, as pack_mma finds it (w read
+    # again first: the write, not a change of global, must be what makes the cache miss)
+    assert weight_global_host(w) == 2.0 * g0
     w.scales.view(torch.uint8)[3, 1] = 0x7F
     with pytest.raises(ValueError, match="NaN"):
         weight_global_host(w)
+    # ... and in new scales beside the same codes and global (a fresh tensor counts no writes)
+    bad = w.scales.clone()
+    w.scales.view(torch.uint8)[3, 1] = 0x00
+    assert weight_global_host(w) == 2.0 * g0
+    with pytest.raises(ValueError, match="NaN"):
+        weight_global_host(FP4Tensor(w.data, bad, w.global_scale, w.shape, w.fmt))
+    # MXFP4's E8M0 scales have no NaN check here: 0x7F is 1.0
+    wm = fp4moe.quantize(torch.randn(16, 64), "mxfp4")
+    wm.scales.view(torch.uint8).fill_(0x7F)
+    assert weight_global_host(wm) == 1.0
 
 
 @pytest.mark.gpu

@@ -554,6 +554,7 @@ def fp4_linear_mma_kw_kernel(
             + gl.expand_dims(gl.expand_dims(gl.arange(0, BLOCK_K, layout=lc_k), 0), 1)
         xc_mask = gl.expand_dims(gl.expand_dims(rows_c < M, 0), 2)  # rows past M zero-filled, not copied
         _x_ring_fill(x_ring, xc_ptrs, xc_mask, 0, c_last, KH, X_STAGES)
+    gl.static_assert((not XA) or (XC and X_STAGES == 0), "x a chunk ahead: x per chunk, in registers")
     if XA:  # the first chunk's x; each chunk then requests the next one's before its decode and MMA
         xt = _x_part(None, x_ptrs, x_k, K_X, 0, 0, XK, 0, EVEN_K, x_layout)
     for c0 in range(0, k_chunks_per_slice, KH):
