@@ -640,6 +640,15 @@ def test_pack_follows_in_place_weight_updates():
     e0 = mma_packed_experts(w)
     w.scales.copy_(torch.flip(w.scales, dims=[0]))
     assert mma_packed_experts(w) is not e0
+    # a new global scale beside the same codes (a fresh tensor, as many writes as the old: none)
+    # is a new pack, found by the tensor's identity, not by its id() that a freed scale can pass on
+    from fp4moe.quantize import FP4Tensor
+
+    u = FP4Tensor(a.weight_fp4.data, a.weight_fp4.scales, a.weight_fp4.global_scale.clone() * 2.0,
+                  a.weight_fp4.shape, a.weight_fp4.fmt)
+    p2 = mma_packed(u)
+    assert p2 is not p1 and torch.equal(p2.global_scale, u.global_scale)
+    assert mma_packed(u) is p2
     with torch.inference_mode():  # inference tensors count no writes: packed once
         v = quantize(torch.randn(32, 128), "nvfp4")
         assert mma_packed(v) is mma_packed(v)
