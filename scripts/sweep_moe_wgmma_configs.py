@@ -48,10 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     variants = ["default"] + [v for v in args.variants.split(",") if v != "default"]
 
+    from fp4moe.bench.moe import random_experts
     from fp4moe.bench.timing import ClockMonitor, time_cuda_graphs
     from fp4moe.models import get_model
     from fp4moe.ops.routing import make_router
-    from fp4moe.quantize import quantize, quantize_stacked
 
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "time": []}
     p = moe_ops.random_moe_problem(2000, 64, 8, 1024, 512, "nvfp4", device="cuda", seed=7, dropped=(0, 7))
@@ -69,10 +69,10 @@ def main() -> None:
         print(f"check {v}: rel_err {err:.2e}", flush=True)
         if err < 2e-2:
             ok_variants.append(v)
-    E, H, I = 256, 6144, 2048
-    w13 = quantize_stacked(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16), "nvfp4")
-    w2 = quantize(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16), "nvfp4")
-    route = make_router(get_model("glm-5"))
+    spec = get_model("glm-5")
+    E, H = spec.n_experts, spec.hidden
+    w13, w2 = random_experts(E, H, spec.expert_intermediate, spec.fmt, torch.Generator(device="cuda").manual_seed(0))
+    route = make_router(spec)
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         ids, wts, _ = route(torch.randn(T, E, device="cuda"))

@@ -34,6 +34,7 @@ __all__ = [
     "e2m1_encode",
     "e2m1_decode",
     "e4m3_decode_bits",
+    "e4m3_is_nan",
     "e8m0_decode",
     "nvfp4_block_scales",
     "mxfp4_block_exponents",
@@ -151,7 +152,12 @@ def e4m3_decode_bits(bits: torch.Tensor) -> torch.Tensor:
     normal = (1.0 + man / 8.0) * torch.exp2((exp - 7).to(torch.float32))
     subnormal = man * 2.0**-9
     value = sign * torch.where(exp == 0, subnormal, normal)
-    return torch.where((b & 0x7F) == 0x7F, torch.full_like(value, math.nan), value)
+    return torch.where(e4m3_is_nan(bits), torch.full_like(value, math.nan), value)
+
+
+def e4m3_is_nan(bits: torch.Tensor) -> torch.Tensor:
+    """Which E4M3 bit patterns (uint8) are NaN: 0x7F and 0xFF (``float8_e4m3fn`` has no infinity)."""
+    return (bits & 0x7F) == 0x7F
 
 
 def e4m3_to_e5m3(bits: torch.Tensor) -> torch.Tensor:

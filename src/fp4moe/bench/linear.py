@@ -103,10 +103,10 @@ def _config(M: int, N: int, K: int, mode: str, chip: Any, sm_count: int | None, 
             return ""
         if hasattr(ops_linear, "choose_path"):  # choose_config(M, N, K, *, path, arch, sm_count)
             path = ops_linear.choose_path(mode, chip)
+            if ops_linear.dequant_matmul_applies(path, chip, M, N, K, fmt):
+                return "dequantize_weight+torch.matmul"
             # bf16 x: the packed-layout kernels, chosen for this device's L2 as fp4_linear does
             packed = ops_linear.packed_config(path, chip, M, N, K, sm_count, fmt=fmt, l2_bytes=l2)
-            if packed is not None and ops_linear.dequant_matmul_applies(path, chip, M, N, K, fmt):
-                return "dequantize_weight+torch.matmul"
             return str(packed if packed is not None else choose(M, N, K, path=path, arch=chip, sm_count=sm_count))
         return str(choose(M, N, K, mode=mode, arch=chip))
     except Exception as err:  # a config failure is worth seeing, but the row stays a timing

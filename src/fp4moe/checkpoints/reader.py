@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from ..formats import MXFP4, NVFP4
+from ..formats import MXFP4, NVFP4, e4m3_is_nan
 from ..quantize import FP4Tensor
 from .errors import CheckpointError
 from .policy import match_exclude, module_of
@@ -544,7 +544,7 @@ class Checkpoint:
 
 def _check_e4m3_scales(scales: torch.Tensor, info: TensorInfo) -> None:
     bits = scales.view(torch.uint8)
-    nan = int(((bits & 0x7F) == 0x7F).sum())
+    nan = int(e4m3_is_nan(bits).sum())
     negative = int(((bits & 0x80) != 0).sum()) - int((bits == 0x80).sum())
     if nan or negative:
         raise CheckpointError(f"{_where(info)}: {nan} NaN and {negative} negative E4M3 block scale(s): corrupted")

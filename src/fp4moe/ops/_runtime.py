@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from ..formats import e4m3_is_nan
+
 
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (kernels run on the CPU through Triton's interpreter)."""
@@ -56,6 +58,17 @@ def fast_fold(act: int, fast: bool, w_e4m3: bool) -> float:
 #: into the scale (exponents 21..154, scales 2**-106..2**27); fp16 activations decode on the portable
 #: path, where e2m1 * scale must stay a normal fp16 (scales 2**-14..2**13, exponents 113..140).
 E8M0_RANGE = {"bf16": (21, 154), "fp16": (113, 140)}
+
+
+def check_weight_scales(w, name: str = "w", activations: str = "bf16") -> None:
+    """Refuse weights the packed kernels cannot decode: NVFP4 block scales holding NaN (E4M3 0x7F
+    or 0xFF; the kernels' integer decode would read them as numbers), MXFP4 scales out of the range
+    ``check_weight_scale_range`` allows. One host sync: call it when weights are loaded or packed."""
+    if w.fmt.scale_kind == "e4m3":
+        if bool(e4m3_is_nan(w.scales.view(torch.uint8)).any()):
+            raise ValueError(f"{name}: NVFP4 scales contain NaN (E4M3 0x7F)")
+    else:
+        check_weight_scale_range(w, name, activations)
 
 
 def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> None:

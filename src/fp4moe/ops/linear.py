@@ -393,27 +393,19 @@ def dequant_matmul_applies(path: Path, arch: Arch | None, M: int, N: int, K: int
 
 def weight_global_host(w: FP4Tensor) -> float | None:
     """``w``'s global scale as a Python float (1.0 without one), read once per weight (one host
-    sync, with the check that its NVFP4 block scales hold no NaN, which ``pack_mma`` makes on the
-    other paths) and kept with its storage until the block or global scales are replaced or written
-    in place; None when it
-    would have to be read while a CUDA graph is being captured (the caller takes another path).
-    Inference-mode scales count no writes: their value is read once, as packs are made once.
+    sync, with ``check_weight_scales``, which ``pack_mma`` makes on the other paths) and kept with
+    the weight as its packs are (``mma_layout.cached_on_weight``); None when it would have to be
+    read while a CUDA graph is being captured (the caller takes another path).
     A graph captured on ``_dequant_matmul`` keeps the value it was captured with, as every captured
     graph keeps the packed weights it was captured with: write weights before capturing."""
-    from .mma_layout import _version
+    from ._runtime import check_weight_scales
+    from .mma_layout import cached_on_weight
 
-    g = w.global_scale
-    state = (_version(w.scales), None if g is None else _version(g))
-    cached = getattr(w.data, "_fp4moe_global_host", None)
-    # the scale tensors themselves (identity, not id(): a freed tensor's id can be reused) and their writes
-    if cached is None or cached[0] is not g or cached[1] is not w.scales or cached[2] != state:
-        if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
-        if w.fmt is NVFP4 and bool(((w.scales.view(torch.uint8) & 0x7F) == 0x7F).any()):  # as pack_mma rejects
-            raise ValueError("w: NVFP4 scales contain NaN (E4M3 0x7F)")
-        cached = (g, w.scales, state, 1.0 if g is None else float(g.reshape(())))
-        w.data._fp4moe_global_host = cached
-    return cached[3]
+    def read(w: FP4Tensor) -> float:
+        check_weight_scales(w, "w")  # as pack_mma checks them for the other packed paths
+        return 1.0 if w.global_scale is None else float(w.global_scale.reshape(()))
+
+    return cached_on_weight(w, "_fp4moe_global_host", read, with_global=True)
 
 
 def _forward_dequant_matmul(x, x2, w: FP4Tensor, g: float, bias, out):

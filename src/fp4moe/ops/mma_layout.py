@@ -28,7 +28,7 @@ import torch
 from ..arch import Arch, default_gpu, get_arch
 from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
-from ._runtime import check_weight_scale_range, pdl_kwargs
+from ._runtime import check_weight_scales, pdl_kwargs
 
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
@@ -67,23 +67,30 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def cached_pack(w: FP4Tensor, make, *, with_global: bool):
-    """The pack ``make(w)`` kept with ``w``'s storage (attribute ``_fp4moe_mma`` of ``w.data``), made
-    again when ``w`` changed since: its bytes or scales written in place (``load_state_dict``
-    copies into the buffers; torch counts in-place writes in ``Tensor._version``) or, ``with_global``,
-    its global scale replaced or written. None when a pack is needed while a CUDA graph is being
-    captured (packing allocates): the caller then runs a kernel on ``w`` itself."""
+def cached_on_weight(w: FP4Tensor, attr: str, make, *, with_global: bool):
+    """``make(w)`` kept with ``w``'s storage (attribute ``attr`` of ``w.data``) and made again when
+    ``w`` changed since: its bytes or scales written in place (``load_state_dict`` copies into the
+    buffers; torch counts in-place writes in ``Tensor._version``), its block scales replaced or,
+    ``with_global``, its global scale replaced or written. The scale tensors are compared by
+    identity (a freed tensor's id() can be passed on). None when ``make`` would run while a CUDA
+    graph is being captured (it allocates or reads back): the caller then takes a path without it.
+    Inference-mode tensors count no writes: there ``make`` runs once per set of tensors."""
     g = w.global_scale if with_global else None
     state = (_version(w.data), _version(w.scales), None if g is None else _version(g))
-    packed = getattr(w.data, "_fp4moe_mma", None)
-    if (packed is None or getattr(w.data, "_fp4moe_mma_state", None) != state
-            or getattr(w.data, "_fp4moe_mma_global", None) is not g):
+    cached = getattr(w.data, attr, None)
+    if cached is None or cached[0] != state or cached[1] is not w.scales or cached[2] is not g:
         if w.data.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        packed = make(w)
-        # the global tensor itself, compared by identity: an id() could be reused by a new scale
-        w.data._fp4moe_mma, w.data._fp4moe_mma_state, w.data._fp4moe_mma_global = packed, state, g
-    return packed
+        cached = (state, w.scales, g, make(w))
+        setattr(w.data, attr, cached)
+    return cached[3]
+
+
+def cached_pack(w: FP4Tensor, make, *, with_global: bool):
+    """The pack ``make(w)`` kept with ``w`` (``cached_on_weight``, attribute ``_fp4moe_mma``): None
+    when a pack is needed while a CUDA graph is being captured (packing allocates), and the caller
+    then runs a kernel on ``w`` itself."""
+    return cached_on_weight(w, "_fp4moe_mma", make, with_global=with_global)
 
 
 #: weight rows re-ordered per step of ``pack_mma``: bounds its temporaries (~12 bytes per value of
@@ -103,11 +110,7 @@ def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
     N, K = w.shape
     Np, Kp = -(-N // ROWS) * ROWS, -(-K // KCHUNK) * KCHUNK
     sbits = w.scales.view(torch.uint8)
-    if w.fmt is NVFP4:
-        if bool(((sbits & 0x7F) == 0x7F).any()):
-            raise ValueError("w: NVFP4 scales contain NaN (E4M3 0x7F)")
-    else:
-        check_weight_scale_range(w, "w")  # the decoder folds 2**100 into E8M0 scales, as the Triton one
+    check_weight_scales(w, "w")  # NVFP4: no NaN; MXFP4: the decoder folds 2**100 into E8M0 scales
     words = torch.empty((Np // 16, Kp // 64, 32, 4), dtype=torch.int32, device=w.device)
     scales = torch.empty((Np // 16, Kp // 64) + ((32, 2) if w.fmt is NVFP4 else (8, 4)), dtype=torch.uint8,
                          device=w.device)

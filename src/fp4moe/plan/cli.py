@@ -150,7 +150,7 @@ def _linear_kernel(M: int, N: int, K: int, mode: str, arch, fmt: str = "nvfp4") 
     arch = get_arch(arch) if arch is not None else None
     path = target_path(mode, arch)
     cfg = packed_config(path, arch, M, N, K, fmt=fmt)
-    if cfg is not None and dequant_matmul_applies(path, arch, M, N, K, fmt):
+    if dequant_matmul_applies(path, arch, M, N, K, fmt):
         return "nvfp4_weight_dequantize"
     if isinstance(cfg, WgmmaConfig):
         return "fp4_linear_wgmma"

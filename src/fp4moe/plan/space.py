@@ -201,6 +201,19 @@ class KernelSpec(ABC, Generic[P, C]):
         return config
 
 
+def _elementwise_time(gpu: GPU, num_warps: int, *, nbytes: float, flops: float, programs: int,
+                      registers: int | None, smem: int = 0, extra_us: float = 0.0, notes=()) -> TimeEstimate:
+    """``TimeEstimate`` of an elementwise kernel (the quantizer, the dequantize kernels) of
+    ``num_warps`` warps per program: its traffic against the bandwidth, its arithmetic on the CUDA
+    cores, whose fp32 rate is roughly 1/16 of the dense bf16 tensor rate."""
+    ctas = gpu.arch.ctas_per_sm(32 * num_warps, registers=registers, smem_bytes=smem)
+    peak = gpu.bf16_dense_tflops / 16
+    us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
+                                   ctas_per_sm=ctas, extra_us=extra_us)
+    return TimeEstimate(us=us, bound_us=nbytes / _bandwidth(gpu), limiter=limiter, programs=programs, waves=waves,
+                        ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
+
+
 def _roofline(gpu: GPU, *, nbytes: float, flops: float, peak_tflops: float, programs: int, ctas_per_sm: int,
               l2_bytes: float = 0.0, extra_us: float = 0.0) -> tuple[float, Literal["memory", "compute"], int]:
     """Time of one kernel: waves of programs over the SMs, bandwidth shared by the active SMs.
@@ -853,14 +866,9 @@ class QuantizeSpec(KernelSpec[QuantizeProblem, Any]):
             extra = M * K * xb / _bandwidth(gpu) + SECOND_KERNEL_US
             notes.append("dynamic global scale: an absmax pass reads x first")
         smem = self.smem_model(config, problem, gpu.arch).total
-        ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=smem)
         flops = 30 * M * K  # ~30 fp32 operations per element (scale, divide by reciprocal, round, pack)
-        peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate: roughly 1/16 of the dense bf16 tensor rate
-        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
-                                       ctas_per_sm=ctas, extra_us=extra)
-        bound = nbytes / _bandwidth(gpu)
-        return TimeEstimate(us=us, bound_us=bound, limiter=limiter, programs=programs, waves=waves, ctas_per_sm=ctas,
-                            bytes=nbytes, flops=flops, peak_tflops=peak, notes=tuple(notes))
+        return _elementwise_time(gpu, config.num_warps, nbytes=nbytes, flops=flops, programs=programs,
+                                 registers=registers, smem=smem, extra_us=extra, notes=notes)
 
 
 # ------------------------------------------------------------------------------------------
@@ -942,13 +950,9 @@ class DequantizeSpec(KernelSpec[DequantizeProblem, Any]):
         M, K, k_out = problem.M, problem.K, problem.k_out
         programs = M * _cdiv(k_out, config.block_k)
         nbytes = M * K // 2 + M * K // 16 + M * k_out * 2  # codes and scales in, bf16 out
-        ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=0)
         flops = 6 * M * k_out  # decode, scale, convert: a few CUDA-core operations per element
-        peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate, as for the quantizer
-        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
-                                       ctas_per_sm=ctas)
-        return TimeEstimate(us=us, bound_us=nbytes / _bandwidth(gpu), limiter=limiter, programs=programs,
-                            waves=waves, ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak)
+        return _elementwise_time(gpu, config.num_warps, nbytes=nbytes, flops=flops, programs=programs,
+                                 registers=registers)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1029,13 +1033,8 @@ class WeightDequantizeSpec(KernelSpec[WeightDequantizeProblem, Any]):
         n = problem.N * problem.K
         programs = _cdiv(n // 2, config.block)
         nbytes = n // 2 + n // 16 + n * 2  # codes and scales in, bf16 out
-        ctas = gpu.arch.ctas_per_sm(32 * config.num_warps, registers=registers, smem_bytes=0)
-        flops = 6 * n
-        peak = gpu.bf16_dense_tflops / 16  # fp32 CUDA-core rate, as for the quantizer
-        us, limiter, waves = _roofline(gpu, nbytes=nbytes, flops=flops, peak_tflops=peak, programs=programs,
-                                       ctas_per_sm=ctas)
-        return TimeEstimate(us=us, bound_us=nbytes / _bandwidth(gpu), limiter=limiter, programs=programs,
-                            waves=waves, ctas_per_sm=ctas, bytes=nbytes, flops=flops, peak_tflops=peak)
+        return _elementwise_time(gpu, config.num_warps, nbytes=nbytes, flops=6 * n, programs=programs,
+                                 registers=registers, smem=self.smem_model(config, problem, gpu.arch).total)
 
 
 # ------------------------------------------------------------------------------------------
