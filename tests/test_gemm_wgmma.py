@@ -28,6 +28,10 @@ def test_config_validation_and_choice():
     assert (wide.block_n, str(wide)) == (128, "wgmma_n128_m256_s4_g8_r1")
     assert WgmmaConfig().block_n == 128 and WgmmaConfig(warps=8).block_n == 256
     assert str(WgmmaConfig(tail_m=64)) == "wgmma_n128_m128_s4_g8_t64"
+    merged = WgmmaConfig(tail_m=32, merge_tail=True)
+    assert str(merged) == "wgmma_n128_m128_s4_g8_t32_mt" and WgmmaConfig.parse(str(merged)) == merged
+    with pytest.raises(ValueError, match="merge_tail.*needs tail_m"):
+        WgmmaConfig(merge_tail=True)
     for bad in (48, 128):  # not a tile height, or not below block_m
         with pytest.raises(ValueError, match="tail_m"):
             WgmmaConfig(tail_m=bad)
@@ -81,7 +85,11 @@ def test_moe_config_choice():
     assert mma_moe_config(8.0) == MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
     assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
-    assert wgmma_moe_config(128.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)
+    assert wgmma_moe_config(127.9) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)
+    assert wgmma_moe_config(512.0) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)
+    for merged in (128.0, 144.0, 160.0):  # a full tile and a short one per expert: merged
+        assert wgmma_moe_config(merged) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32, merge_tail=True)
+    assert not wgmma_moe_config(160.1).merge_tail
     sm80, sm90 = get_arch("sm80"), get_arch("sm90")
     assert packed_moe_kernel(sm90, WGMMA_MOE_MIN_ROWS, 4096, 6144, False) == "mma"
     assert packed_moe_kernel(sm90, 16.0, 4096, 6144, False) == "wgmma"
@@ -102,6 +110,10 @@ def test_guard_probe_runs_both_tile_heights():
     counts = torch.bincount(ids[ids >= 0].long(), minlength=5)
     assert counts[0] == 72 > 64 and 0 < counts[1:].max() <= 64
     assert (ids[:, 0] != ids[:, 1]).all() and int((ids < 0).sum()) == 1
+    merged = _probe_problem(136, "nvfp4", device="cpu", dtype=torch.bfloat16, per_row=False, bias=False, hot_rows=32,
+                            split=40).topk_ids  # as _probe builds it for WgmmaConfig(tail_m=32, merge_tail=True)
+    counts = torch.bincount(merged[merged >= 0].long(), minlength=5).tolist()
+    assert counts[0] == 136 and 32 < counts[1] < 128 and max(counts[2:]) <= 32  # merged, full alone, tails alone
     small = _probe_problem(7, "nvfp4", device="cpu", dtype=torch.bfloat16, per_row=False, bias=False)
     assert small.topk_ids.shape == (7, 2) and bool((small.topk_ids < 5).all())
 
@@ -210,20 +222,22 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from fp4moe.kernels import gemm_wgmma as G
 from fp4moe.ops.mma_layout import WgmmaConfig, wgmma_compile_request
 from fp4moe.plan.crosscompile import mma_instructions
-from fp4moe.plan.sass import count_hgmma, sass_of_ptx, wgmma_register_hazards
+from fp4moe.plan.sass import count_hgmma, loop_local_memory_ops, sass_of_ptx, wgmma_register_hazards
 out = []
 fn = G.fp4_gemm_wgmma_kernel
-for gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent in json.loads(sys.argv[1]):
+for gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent, merge in json.loads(sys.argv[1]):
     req = wgmma_compile_request(WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail,
-                                            split_k=split, persistent=persistent), fmt, 90, gemm=gemm, has_bias=bias)
+                                            split_k=split, persistent=persistent, merge_tail=merge), fmt, 90,
+                                gemm=gemm, has_bias=bias)
     sig = dict(req.signature, **{k: "constexpr" for k in req.constexprs})
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in req.divisible_by_16}
     c = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=req.constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = c.asm["ptx"]
     sass = sass_of_ptx(ptx, 90)
-    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent], "shared": c.metadata.shared, "mma": mma_instructions(ptx),
-                "local": sass.count("STL") + sass.count("LDL"),
+    out.append({"case": [gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent, merge],
+                "shared": c.metadata.shared, "mma": mma_instructions(ptx),
+                "local": sass.count("STL") + sass.count("LDL"), "loop_local": loop_local_memory_ops(sass),
                 "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
@@ -285,8 +299,8 @@ def test_loop_spill_count():
 
 # the configurations the runtime picks (choose_wgmma_config, wgmma_moe_config), the GPU tests' and
 # the rest of the shape space (two warpgroups, 3- and 6-deep rings, MXFP4), compiled as launched
-# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m, split_k, persistent)
-WGMMA_CASES = [c + (1, False) for c in [
+# (gemm, warps, block_m, stages, fmt, bias, repeats, tail_m, split_k, persistent, merge_tail)
+WGMMA_CASES = [c + (1, False, False) for c in [
     ("linear", 4, 128, 4, "nvfp4", True, 2, 0), ("linear", 4, 64, 4, "nvfp4", False, 2, 0),
     ("linear", 4, 64, 3, "mxfp4", True, 2, 0), ("linear", 8, 128, 6, "nvfp4", True, 2, 0),
     ("linear", 8, 128, 4, "mxfp4", False, 2, 0), ("linear", 8, 256, 4, "nvfp4", True, 1, 0),
@@ -299,10 +313,14 @@ WGMMA_CASES = [c + (1, False) for c in [
     ("gemm1", 4, 16, 6, "mxfp4", False, 2, 0), ("gemm2", 8, 16, 4, "nvfp4", False, 2, 0),
     ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32), ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32)]] + [
     # small batches: K split over programs (fp32 partials, bias in the reduction)
-    ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4, False), ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8, False),
-    ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2, False),
+    ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4, False, False),
+    ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8, False, False), ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2, False, False),
     # persistent programs (the prefill's 256-row tiles): no spills either
-    ("linear", 8, 256, 4, "nvfp4", True, 1, 0, 1, True), ("linear", 8, 256, 3, "mxfp4", False, 1, 0, 1, True)]
+    ("linear", 8, 256, 4, "nvfp4", True, 1, 0, 1, True, False),
+    ("linear", 8, 256, 3, "mxfp4", False, 1, 0, 1, True, False),
+    # merged tails (two accumulators): spills outside the K loop only
+    ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32, 1, False, True), ("gemm2", 4, 128, 4, "nvfp4", False, 2, 32, 1, False, True),
+    ("gemm1", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True), ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True)]
 
 
 def test_cross_compiles_for_sm90():
@@ -317,15 +335,16 @@ def test_cross_compiles_for_sm90():
     limit = get_arch("sm90").smem_per_block_optin
     assert len(results) == len(WGMMA_CASES)
     for r in results:
-        gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent = r["case"]
+        gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent, merge = r["case"]
         cfg = WgmmaConfig(block_m=bm, stages=stages, warps=warps, repeats=repeats, tail_m=tail, split_k=split,
-                          persistent=persistent)
+                          persistent=persistent, merge_tail=merge)
         model = sum(each * count for _, each, count in wgmma_smem_terms(cfg, fmt))
         assert r["shared"] == model and r["shared"] <= limit, r
         assert any(m.startswith("wgmma.mma_async") and "bf16" in m for m in r["mma"]), r
         assert r["decode"] > 0 and r["cp_async"] == 0 and r["tma"] > 0 and r["mbarrier_wait"] > 0, r  # all by TMA
         assert r["hgmma"] > 0 and r["hazards"] == [], r  # checked something, found nothing
         assert not persistent or r["local"] == 0, r  # the epilogue's row offsets are not hoisted out of the tile loop
+        assert r["loop_local"] == 0, r  # no spill inside the K loop (merged tails spill a few values outside it)
 
 
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
@@ -433,6 +452,37 @@ def test_gpu_moe_prefill_on_wgmma(fmt, activation, interleaved, per_row, bias, T
     """fp4_moe_experts routes prefill-sized W4A16 layers (gate-then-up w13) to the wgmma kernel:
     same numbers as the reference, dropped slots skipped, deterministic."""
     check_moe_layer("fp4_moe_wgmma", fmt, activation, interleaved, per_row, bias, T, E, k, H, I)
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("H,I", [(256, 128), (320, 192)])  # even and odd chunk counts in both GEMMs
+def test_gpu_merged_tails_equal_separate_tails(fmt, H, I):
+    """``merge_tail``: an expert's full tile runs its short last tile too (a second wgmma on the same
+    decoded weights) and that tile's programs do nothing; every output is bitwise what separate
+    tail tiles give, for expert row counts around the tile edges (none, a tail alone, a full tile,
+    full + 1, full + tail_m, full + tail_m + 1, two full tiles and more)."""
+    from fp4moe.ops.dispatch import dispatch
+    from fp4moe.ops.moe import _run_wgmma, fp4_moe_reference, mma_packed_experts, random_moe_problem
+
+    counts = [0, 1, 32, 33, 127, 128, 129, 150, 160, 161, 200, 256, 257, 288, 289, 300]
+    E = len(counts)
+    ids = torch.repeat_interleave(torch.arange(E, dtype=torch.int32), torch.tensor(counts))
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))].reshape(-1, 1).cuda()
+    T = ids.shape[0]
+    p = random_moe_problem(T, E, 1, H, I, fmt, device="cuda", seed=3)
+    packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
+    plan = dispatch(ids, E, 128)
+    outs = []
+    for merge in (False, True):
+        cfg = WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32, merge_tail=merge)
+        out = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
+        outs.append(_run_wgmma(p.x, p.w13, p.w2, packed, ids, p.topk_weights, plan, cfg, 1, "silu", None, None, None,
+                               out))
+    assert torch.equal(outs[0], outs[1])
+    ref = fp4_moe_reference(p.x, p.w13, p.w2, ids, p.topk_weights).float()
+    assert float((outs[1].float() - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
 def test_linear_routing_per_architecture():

@@ -88,27 +88,33 @@ def mma_pair(s):
 
 @gluon.jit
 def _load_chunk(cn, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
-                NB: gl.constexpr, SWIGLU: gl.constexpr):
+                NB: gl.constexpr, SWIGLU: gl.constexpr, x2_desc=None, x2_smem=None):
     """TMA copies of the program's chunk ``cn`` (K chunk kc0 + cn; nothing at or past n_c) into
     ring slot ``cn % STAGES`` (``_load_stage``)."""
     _load_stage(cn % x_smem.shape[0], cn < n_c, kc0 + cn, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
-                row_start, rb0, rb_up, NB, SWIGLU)
+                row_start, rb0, rb_up, NB, SWIGLU, x2_desc, x2_smem)
 
 
 @gluon.jit
 def _load_stage(slot, pred, kc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
-                NB: gl.constexpr, SWIGLU: gl.constexpr):
+                NB: gl.constexpr, SWIGLU: gl.constexpr, x2_desc=None, x2_smem=None):
     """Where ``pred``, TMA copies of K chunk ``kc`` into ring slot ``slot`` on its mbarrier: the
     activation tile from ``row_start`` and the program's NB weight row blocks, words and scale pairs
     (16-row block b's at [b, chunk]: one box from rb0, or for GEMM 1 NB / 2 gate blocks from rb0
     and as many up blocks from rb_up). Blocks past the program's rows (N or I not a multiple of the
     tile) are the same expert's up rows (GEMM 1's gate box), the next expert's rows, or zeros past
-    the tensor: they feed only accumulator rows whose columns are never stored."""
+    the tensor: they feed only accumulator rows whose columns are never stored. With ``x2_smem``
+    (a tile that runs its expert's short last tile too), also the x2_desc box of activation rows
+    that follows the first one."""
     S: gl.constexpr = s_desc.block_type.shape[1]
     W_COPIES: gl.constexpr = 2 if SWIGLU > 0 else 1
-    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes
-                    + W_COPIES * (w_desc.block_type.nbytes + s_desc.block_type.nbytes), pred=pred)
+    X_BYTES: gl.constexpr = x_desc.block_type.nbytes + (0 if x2_smem is None else x2_desc.block_type.nbytes)
+    mbarrier.expect(ready.index(slot), X_BYTES + W_COPIES * (w_desc.block_type.nbytes + s_desc.block_type.nbytes),
+                    pred=pred)
     tma.async_copy_global_to_shared(x_desc, [row_start, kc * 64], ready.index(slot), x_smem.index(slot), pred=pred)
+    if x2_smem is not None:
+        tma.async_copy_global_to_shared(x2_desc, [row_start + x_desc.block_type.shape[0], kc * 64], ready.index(slot),
+                                        x2_smem.index(slot), pred=pred)
     if SWIGLU > 0:
         tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot),
                                         w_smem.index(slot).slice(0, NB // 2), pred=pred)
@@ -143,31 +149,40 @@ def load_scales(s_slot, MXFP4: gl.constexpr, s_layout: gl.constexpr, WARPS: gl.c
 def _k_step(c, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
             STAGES: gl.constexpr, WARPS: gl.constexpr, NB: gl.constexpr, SWIGLU: gl.constexpr,
             MXFP4: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, a_layout: gl.constexpr,
-            w_layout: gl.constexpr):
+            w_layout: gl.constexpr, x2_desc=None, x2_smem=None, acc2=None):
     """The program's chunk c (K chunk kc0 + c): refill the buffers chunk c-2 used (every warpgroup
     is past chunk c-1's wait, so c-2's wgmma is done and its weight words and scales are read
     everywhere) with chunk c + STAGES - 2, then ``_mma_stage`` on chunk c."""
     gl.thread_barrier()
     _load_chunk(c + STAGES - 2, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
-                rb_up, NB, SWIGLU)
+                rb_up, NB, SWIGLU, x2_desc, x2_smem)
     return _mma_stage(c % STAGES, (c // STAGES) & 1, acc, x_smem, w_smem, s_smem, ready, WARPS, NB, MXFP4, DECODE,
-                      SCALE, a_layout, w_layout)
+                      SCALE, a_layout, w_layout, x2_smem, acc2)
 
 
 @gluon.jit
 def _mma_stage(slot, phase, acc, x_smem, w_smem, s_smem, ready, WARPS: gl.constexpr, NB: gl.constexpr,
                MXFP4: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, a_layout: gl.constexpr,
-               w_layout: gl.constexpr):
+               w_layout: gl.constexpr, x2_smem=None, acc2=None):
     """Wait for ring slot ``slot`` (its ``phase``), decode its weights into the A operand and issue
-    its wgmma, keeping one in flight."""
+    its wgmma, keeping one chunk's in flight. With ``x2_smem`` the same operand also multiplies the
+    slot's second activation box into ``acc2`` (a merged tail: two wgmmas per chunk, both kept in
+    flight, on the same registers), and the pair (acc, acc2) is returned."""
     mbarrier.wait(ready.index(slot), phase)
     w = w_smem.index(slot).reshape([NB, 1, 32, 4]).load(w_layout)
     s = load_scales(s_smem.index(slot), MXFP4, gl.SliceLayout(3, w_layout), WARPS)
     wd = decode_a_operand(w, s, NB, 1, DECODE, SCALE, a_layout)
     wd = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [wd], dtype=gl.bfloat16, is_pure=False, pack=2)
     acc = warpgroup_mma(wd, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(1, deps=[acc])
-    return acc
+    if x2_smem is None:
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        return acc
+    else:
+        a2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc2.type.layout, k_width=2)
+        acc2 = warpgroup_mma(gl.convert_layout(wd, a2_layout), x2_smem.index(slot).permute((1, 0)), acc2,
+                             is_async=True)
+        acc, acc2 = warpgroup_mma_wait(2, deps=[acc, acc2])
+        return acc, acc2
 
 
 @gluon.jit
@@ -176,10 +191,12 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
                WARPS: gl.constexpr, REPEATS: gl.constexpr, STAGES: gl.constexpr, MXFP4: gl.constexpr,
                WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
                LIMIT: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr, OUT_MMA_ORDER: gl.constexpr,
-               FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
+               FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, x2_desc=None):
     """One program's tile of ``fp4_gemm_wgmma_kernel``: BLOCK_M activation rows from ``row_start``
     (valid below ``row_end``) x the weight rows of N tile ``pid_n`` of expert ``e``, the ``n_c`` K
-    chunks from ``kc0``; mainloop and epilogue (module docstring)."""
+    chunks from ``kc0``; mainloop and epilogue (module docstring). With ``x2_desc`` (a merged tail)
+    the tile also runs the x2_desc box of rows after those BLOCK_M: a second accumulator fed by the
+    same decoded weights, so the expert's short last tile costs no second decode."""
     NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -199,20 +216,44 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
         rb_up = rb0
 
     x_smem, w_smem, s_smem, ready = _ring(x_desc, w_desc, s_desc, BLOCK_M, NB, STAGES)
-    for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
-        _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
-                    SWIGLU)
-
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    for j in range(0, n_c // 2):
-        acc = _k_step(2 * j, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
-                      rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
-        acc = _k_step(2 * j + 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start,
-                      rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
-    if n_c % 2 == 1:
-        acc = _k_step(n_c - 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
-                      rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
-    acc = warpgroup_mma_wait(0, deps=[acc])
+    if x2_desc is None:
+        for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
+            _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
+                        SWIGLU)
+        for j in range(0, n_c // 2):
+            acc = _k_step(2 * j, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start,
+                          rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
+            acc = _k_step(2 * j + 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start,
+                          rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
+        if n_c % 2 == 1:
+            acc = _k_step(n_c - 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start,
+                          rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+    else:
+        EXT_M: gl.constexpr = x2_desc.block_type.shape[0]
+        mma2: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                       instr_shape=[16, EXT_M, 16])
+        x2_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, EXT_M, 64], x2_desc.layout)
+        acc2 = gl.zeros([BLOCK_N, EXT_M], gl.float32, layout=mma2)
+        for i in gl.static_range(STAGES - 2):
+            _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
+                        SWIGLU, x2_desc, x2_smem)
+        for j in range(0, n_c // 2):
+            acc, acc2 = _k_step(2 * j, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                                row_start, rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout,
+                                w_layout, x2_desc, x2_smem, acc2)
+            acc, acc2 = _k_step(2 * j + 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                                row_start, rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout,
+                                w_layout, x2_desc, x2_smem, acc2)
+        if n_c % 2 == 1:
+            acc, acc2 = _k_step(n_c - 1, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
+                                row_start, rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout,
+                                w_layout, x2_desc, x2_smem, acc2)
+        acc, acc2 = warpgroup_mma_wait(0, deps=[acc, acc2])
+        _tile_epilogue(acc2, FOLD, e, pid_n, row_start + BLOCK_M, row_end, N, wg_ptr, bias_ptr, row_w_ptr,
+                       row_out_ptr, out_ptr, stride_ge, stride_be, stride_om, SWIGLU, WG_MODE, HAS_BIAS, HAS_RW,
+                       SCATTER, OUT_MMA_ORDER)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
@@ -404,6 +445,9 @@ def fp4_gemm_wgmma_kernel(
     GROUP_M: gl.constexpr,  # plain: M tiles per raster group (weights and activations stay in L2)
     TAIL_M: gl.constexpr,  # GROUPED: tiles of at most TAIL_M rows run as TAIL_M-row tiles (0: never)
     PERSISTENT: gl.constexpr = False,  # plain, no split-K: ``_gemm_persistent`` (grid <= tiles)
+    MERGE_TAIL: gl.constexpr = False,  # GROUPED, TAIL_M > 0: an expert's full tile followed by its short last
+    #                                    tile (<= TAIL_M rows) runs both (x_tail_desc's box after its own), the
+    #                                    short tile's programs do nothing
 ):
     NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
     gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
@@ -430,8 +474,37 @@ def fp4_gemm_wgmma_kernel(
     n_c = kc_end - kc0
 
     # the tile: TAIL_M-row wgmmas for an expert's short last tile (or an unused one), else BLOCK_M-row
-    # ones; the two variants' shared buffers live in exclusive branches and share the same bytes
-    if TAIL_M > 0:
+    # ones; the variants' shared buffers live in exclusive branches and share the same bytes
+    if MERGE_TAIL:
+        gl.static_assert(GROUPED and TAIL_M > 0, "merged tails: the MoE GEMMs with tail tiles")
+        # the plan's tiles of one expert are consecutive, each full but the last: the tile before a
+        # short one (<= TAIL_M rows) of the same expert runs it (its rows end where the short one's start)
+        pid_m = gl.program_id(0) // n_tiles_n
+        short = row_end - row_start <= TAIL_M
+        prev_e = gl.load(tile_expert_ptr + gl.maximum(pid_m - 1, 0))
+        has_next = pid_m + 1 < n_tiles_m
+        i_next = gl.minimum(pid_m + 1, n_tiles_m - 1)
+        next_e = gl.load(tile_expert_ptr + i_next)
+        next_end = gl.load(tile_end_ptr + i_next)
+        next_rows = next_end - gl.load(tile_start_ptr + i_next)
+        merged = has_next & (next_e == e) & (next_rows <= TAIL_M) & (not short)
+        if short:
+            if (pid_m == 0) | (prev_e != e):  # an expert's only tile (a merged tail's programs skip it)
+                _gemm_tile(x_tail_desc, TAIL_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N,
+                           K, e, pid_n, row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS,
+                           STAGES, MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER,
+                           FOLD, DECODE, SCALE)
+        elif merged:
+            _gemm_tile(x_desc, BLOCK_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+                       pid_n, row_start, next_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
+                       MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
+                       SCALE, x_tail_desc)
+        else:
+            _gemm_tile(x_desc, BLOCK_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
+                       pid_n, row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,
+                       MXFP4, WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE,
+                       SCALE)
+    elif TAIL_M > 0:
         if row_end - row_start <= TAIL_M:
             _gemm_tile(x_tail_desc, TAIL_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e,
                        pid_n, row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES,

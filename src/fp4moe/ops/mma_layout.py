@@ -670,7 +670,10 @@ class WgmmaConfig:
     ``warps`` = 8 MMA warps; ``stages`` is then its TMA ring, plus ``WS_A_STAGES`` decoded tiles);
     ``persistent`` (plain linear, 256-row tiles of two warpgroups, no split-K) one program per SM
     computing tiles one after the other through one ring (``kernels.gemm_wgmma._gemm_persistent``;
-    the launcher runs a program per tile instead where K has fewer than ``stages`` - 2 chunks)."""
+    the launcher runs a program per tile instead where K has fewer than ``stages`` - 2 chunks);
+    ``merge_tail`` (MoE, with ``tail_m``) an expert's full tile followed by its short last tile runs
+    both: the same decoded weights feed a second, ``tail_m``-row wgmma per chunk, so the short
+    tile's weights are neither read nor decoded a second time (its own programs do nothing)."""
 
     block_m: int = 128
     stages: int = 4
@@ -681,6 +684,7 @@ class WgmmaConfig:
     split_k: int = 1
     ws: bool = False
     persistent: bool = False
+    merge_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in (16, 32, 64, 128, 256):
@@ -713,6 +717,9 @@ class WgmmaConfig:
             raise ValueError(f"WgmmaConfig.persistent: 256-row tiles of two warpgroups of one repeat (one program "
                              f"per SM; shorter tiles fit two programs per SM, which one persistent program would "
                              f"halve), without split_k, tail_m or ws, got {self}")
+        if self.merge_tail and not self.tail_m:
+            raise ValueError(f"WgmmaConfig.merge_tail: merges an expert's short last tile (tail_m rows) into the tile "
+                             f"before it, so it needs tail_m, got {self}")
         if self.ws and self.stages <= WS_A_STAGES:
             raise ValueError(f"WgmmaConfig.stages: the warp-specialized kernel's TMA ring must be deeper than its "
                              f"{WS_A_STAGES} decoded tiles (the copies' lead is the difference), got {self.stages}")
@@ -725,20 +732,20 @@ class WgmmaConfig:
     def __str__(self) -> str:
         tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "") \
             + (f"_split{self.split_k}" if self.split_k > 1 else "") + ("_ws" if self.ws else "") \
-            + ("_p" if self.persistent else "")
+            + ("_p" if self.persistent else "") + ("_mt" if self.merge_tail else "")
         return f"wgmma_n{self.block_n}_m{self.block_m}_s{self.stages}_g{self.group_m}{tail}"
 
     @classmethod
     def parse(cls, name: str) -> WgmmaConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``wgmma_n128_m256_s4_g8_r1``."""
-        m = re.fullmatch(r"wgmma_n(\d+)_m(\d+)_s(\d+)_g(\d+)(?:_r(\d))?(?:_t(\d+))?(?:_split(\d+))?(_ws)?(_p)?",
+        m = re.fullmatch(r"wgmma_n(\d+)_m(\d+)_s(\d+)_g(\d+)(?:_r(\d))?(?:_t(\d+))?(?:_split(\d+))?(_ws)?(_p)?(_mt)?",
                          name)
         repeats = int(m[5] or 2) if m else 2
         if not m or int(m[1]) % (16 * repeats):
             raise ValueError(f"WgmmaConfig.parse: not a configuration name: {name!r}")
         return cls(block_m=int(m[2]), stages=int(m[3]), group_m=int(m[4]), warps=int(m[1]) // (16 * repeats),
                    repeats=repeats, tail_m=int(m[6] or 0), split_k=int(m[7] or 1), ws=bool(m[8]),
-                   persistent=bool(m[9]))
+                   persistent=bool(m[9]), merge_tail=bool(m[10]))
 
 
 #: the smallest batch the plain linear runs on the wgmma kernel (SM90); at MAX_M and below the
@@ -988,7 +995,8 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                                        f"*{out_dtype}" if gemm == "linear" else "*bf16"),
                  "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
-                      OUT_MMA_ORDER=out_mma_order, TAIL_M=config.tail_m, PERSISTENT=config.persistent)
+                      OUT_MMA_ORDER=out_mma_order, TAIL_M=config.tail_m, PERSISTENT=config.persistent,
+                      MERGE_TAIL=config.merge_tail)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("out_ptr", "N", "K", "stride_om"))
@@ -1022,10 +1030,11 @@ def _s_desc_type(rows: int, fmt: FP4Format | str) -> str:
 def wgmma_smem_terms(config: WgmmaConfig, fmt: FP4Format | str) -> list[tuple[str, int, int]]:
     """(name, bytes each, count) of the wgmma kernel's shared memory: the activation, weight-word
     and scale-pair rings (all TMA tiles) and one mbarrier per stage. The epilogue works from
-    registers; a ``tail_m`` variant's buffers reuse the same bytes. Checked against compiled kernels
-    in the tests."""
+    registers; a ``tail_m`` variant's buffers reuse the same bytes, and a ``merge_tail`` tile's
+    activation ring holds the tail's rows too. Checked against compiled kernels in the tests."""
     nb = config.repeats * config.warps  # 16-row weight blocks per program
-    return [("activation tile (TMA)", config.block_m * KCHUNK * 2, config.stages),
+    rows = config.block_m + (config.tail_m if config.merge_tail else 0)
+    return [("activation tile (TMA)", rows * KCHUNK * 2, config.stages),
             ("weight words (TMA)", nb * 32 * 4 * 4, config.stages),
             ("scale pairs (TMA)", nb * _scale_pairs_per_chunk(fmt) * 2, config.stages),
             ("mbarrier", 8, config.stages)]
@@ -1172,5 +1181,5 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
         OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, TAIL_M=config.tail_m,
-        num_warps=config.warps, **_decode_consts(p.fmt))
+        MERGE_TAIL=config.merge_tail, num_warps=config.warps, **_decode_consts(p.fmt))
     return out

@@ -434,14 +434,31 @@ def wgmma_moe_config(rows_per_expert: float):
     GEMMs 5,122 -> 4,977 us of it, the combine 345 -> 106); 64-row tails in both 5,688; at 16384
     tokens 20,106 -> 20,464 in that run and 20,663 -> 20,350 in its repeat (within the spread).
     Session 5 (64-row tails in GEMM 1):
-    7,469 -> 7,096 us at 4096 tokens."""
+    7,469 -> 7,096 us at 4096 tokens.
+
+    Merged tails (``WgmmaConfig.merge_tail``, session 19) where experts average one full tile to one
+    full tile plus a tail (``MERGE_TAIL_ROWS``): most experts then have a full tile and a short one,
+    whose weights the merged tile decodes once."""
     from .mma_layout import WgmmaConfig
 
     if rows_per_expert <= 24:
         return WgmmaConfig(block_m=32, stages=4, warps=4)
     if rows_per_expert <= 48:
         return WgmmaConfig(block_m=64, stages=4, warps=4)
-    return WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)
+    lo, hi = MERGE_TAIL_ROWS
+    return WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32, merge_tail=lo <= rows_per_expert <= hi)
+
+
+#: rows per expert (inclusive) at which the MoE GEMMs merge an expert's short last tile into the
+#: full tile before it (``WgmmaConfig.merge_tail``): 128 to 128 + 32. Outside, few experts have a
+#: full tile and a tail of <= 32 rows, and the merged variant's registers (255 with 40-88 B of spills
+#: outside the K loop, against 226 and 253) cost the other tiles. H200, GLM-5 layer, uniform routing,
+#: both GEMMs merged against separate tails, replays interleaved (scripts/sweep_moe_wgmma_configs.py;
+#: benchmarks/raw/sweep-moe-merged-tails*-h200.json): 1.064x and 1.111x at 4096 tokens (128 rows per
+#: expert), 1.153x at 4608 (144), 1.032x at 5120 (160); 0.980x at 3072 (96), 0.983x at 3584 (112),
+#: 0.991x at 6144 (192), 1.007x at 8192 (256), 0.988x at 16384 (512), 0.991x at 2048 (64). GEMM 1
+#: alone merged at 4096: 1.030x.
+MERGE_TAIL_ROWS = (128, 160)
 
 
 def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPlan, out: torch.Tensor, *, swiglu: int,
@@ -553,7 +570,7 @@ PAIR_ROWS_DTYPE = torch.bfloat16
 
 def wgmma_gemm2_config(cfg):
     """GEMM 2's configuration on the plan GEMM 1's ``cfg`` was chosen for (``_GEMM2_TAILS``)."""
-    return cfg if _GEMM2_TAILS else replace(cfg, tail_m=0)
+    return cfg if _GEMM2_TAILS else replace(cfg, tail_m=0, merge_tail=False)
 
 
 def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias, shared_out,
@@ -699,16 +716,21 @@ def random_moe_problem(T: int, E: int, k: int, H: int, I: int, fmt: str, *, devi
     return MoEProblem(x, w13, w2, ids, wts, b13, b2)
 
 
-def _probe_problem(T: int, fmt: str, *, device, dtype, per_row: bool, bias: bool, hot_rows: int = 0) -> MoEProblem:
+def _probe_problem(T: int, fmt: str, *, device, dtype, per_row: bool, bias: bool, hot_rows: int = 0,
+                   split: int = 0) -> MoEProblem:
     """The guard's probe layer: T tokens, 5 experts, top-2, H = 128, I = 64, one dropped slot;
     ``hot_rows`` > 0 routes every token's first slot to expert 0 (T > hot_rows rows there, the
-    rest spread over the others), so that tiles both taller and shorter than ``hot_rows`` run."""
+    rest spread over the others), so that tiles both taller and shorter than ``hot_rows`` run.
+    ``split`` > 0: the second slot of the first ``split`` tokens goes to expert 1, the others'
+    spread over experts 2-4 (a merged-tail probe: expert 0 a full tile and its tail, expert 1 a
+    tile between, the rest tails)."""
     p = random_moe_problem(T, 5, 2, 128, 64, fmt, device=device, dtype=dtype, seed=4321, per_row=per_row, bias=bias,
                            dropped=(3, 1))
     if hot_rows:
         ids = p.topk_ids.clone()
         ids[:, 0] = 0
-        spread = 1 + torch.arange(T, device=ids.device, dtype=ids.dtype) % 4
+        t = torch.arange(T, device=ids.device, dtype=ids.dtype)
+        spread = torch.where(t < split, 1, 2 + t % 3) if split else 1 + t % 4
         ids[:, 1] = torch.where(ids[:, 1] >= 0, spread, ids[:, 1])  # distinct from slot 0; the dropped slot stays
         p = replace(p, topk_ids=ids)
     return p
@@ -719,11 +741,16 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
     biases, one dropped slot; ``fused``: the decode path's GEMM 1 variant), and its reference. With a
     tail height (``WgmmaConfig.tail_m``) one expert gets more rows than it, so both of GEMM 1's
-    tile variants run."""
+    tile variants run; with ``merge_tail`` that expert gets a full tile and a short one (merged),
+    another one more rows than the tail and fewer than a tile, the rest at most the tail."""
     k, E = 2, 5
     tail = getattr(mma_config, "tail_m", 0)
-    T = tail + 8 if tail else 7
-    p = _probe_problem(T, fmt, device=device, dtype=dtype, per_row=per_row, bias=bias, hot_rows=tail)
+    split = 0
+    if getattr(mma_config, "merge_tail", False):
+        T, split = mma_config.block_m + 8, tail + 8  # expert 1: tail + 7 rows (the dropped slot is its)
+    else:
+        T = tail + 8 if tail else 7
+    p = _probe_problem(T, fmt, device=device, dtype=dtype, per_row=per_row, bias=bias, hot_rows=tail, split=split)
     out = torch.empty((T, 128), dtype=dtype, device=device)
     if mma_config is not None:  # the packed-layout path, with the caller's configuration
         packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
