@@ -314,13 +314,16 @@ WGMMA_CASES = [c + (1, False, False) for c in [
     ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32), ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32)]] + [
     # small batches: K split over programs (fp32 partials, bias in the reduction)
     ("linear", 4, 32, 4, "nvfp4", True, 2, 0, 4, False, False),
-    ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8, False, False), ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2, False, False),
+    ("linear", 4, 64, 4, "mxfp4", False, 2, 0, 8, False, False),
+    ("linear", 8, 16, 6, "nvfp4", False, 1, 0, 2, False, False),
     # persistent programs (the prefill's 256-row tiles): no spills either
     ("linear", 8, 256, 4, "nvfp4", True, 1, 0, 1, True, False),
     ("linear", 8, 256, 3, "mxfp4", False, 1, 0, 1, True, False),
     # merged tails (two accumulators): spills outside the K loop only
-    ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32, 1, False, True), ("gemm2", 4, 128, 4, "nvfp4", False, 2, 32, 1, False, True),
-    ("gemm1", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True), ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True)]
+    ("gemm1", 4, 128, 4, "nvfp4", False, 2, 32, 1, False, True),
+    ("gemm2", 4, 128, 4, "nvfp4", False, 2, 32, 1, False, True),
+    ("gemm1", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True),
+    ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True)]
 
 
 def test_cross_compiles_for_sm90():

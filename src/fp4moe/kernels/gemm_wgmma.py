@@ -49,7 +49,10 @@ fits the same 128 accumulator registers, and each decoded weight feeds twice as 
 GROUPED with TAIL_M > 0: a tile of at most TAIL_M rows (an expert's short last tile) runs the
 same code with TAIL_M-row wgmmas (``_gemm_tile`` is instantiated for both heights), so it costs
 less than a nearly empty BLOCK_M tile and still follows its expert's first tile, whose weights it
-reads again, while they are in L2. Epilogue (``kernels.moe._moe_epilogue``):
+reads again, while they are in L2. With MERGE_TAIL the full tile before such a short tile of the
+same expert runs its rows instead (a second TAIL_M-row box in each ring stage, a second wgmma and
+accumulator on the same decoded registers, both chunks' groups kept in flight), so the weights are
+read and decoded once; the short tile's programs do nothing (GLM-5 at 4,096 tokens: 6-11% faster). Epilogue (``kernels.moe._moe_epilogue``):
   plain linear: ``y[m, n] = acc * FOLD * global + bias`` (no MoE arguments);
   GROUPED (MoE, program axis over an ``ops.dispatch`` plan's tiles of one expert each):
     SWIGLU > 0 (GEMM 1): the rows are 16 WARPS gate rows then the matching up rows, so every
