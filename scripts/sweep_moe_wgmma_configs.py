@@ -5,8 +5,10 @@ interleaved (``time_cuda_graphs``: the same clocks, which matter at the 700 W ca
 checked first on a small layer against the reference and on the GLM-5 layer against the default.
 A variant is ``G1`` or ``G1+G2`` (``WgmmaConfig`` names; GEMM 2 must keep GEMM 1's block_m and
 tail_m, the plan's tiles); ``default`` is the runtime's choice. GPU only (SM90).
+``--routing zipf`` adds the bench's Zipf-like logit bias (``bench.moe._zipf_bias``) to the router
+logits: a few experts take most rows, the rest few.
 Usage: PYTHONPATH=src python3 scripts/sweep_moe_wgmma_configs.py --variants default,wgmma_n128_m128_s5_g8_t32
-[--tokens 4096] [--out DIR]"""
+[--tokens 4096] [--routing uniform|zipf] [--out DIR]"""
 import argparse
 import json
 import os
@@ -44,16 +46,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", required=True)
     ap.add_argument("--tokens", default="4096")
+    ap.add_argument("--routing", choices=("uniform", "zipf"), default="uniform")
     ap.add_argument("--out")
     args = ap.parse_args()
     variants = ["default"] + [v for v in args.variants.split(",") if v != "default"]
 
-    from fp4moe.bench.moe import random_experts
+    from fp4moe.bench.moe import _zipf_bias, random_experts
     from fp4moe.bench.timing import ClockMonitor, time_cuda_graphs
     from fp4moe.models import get_model
     from fp4moe.ops.routing import make_router
 
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": [], "time": []}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "routing": args.routing, "checks": [],
+           "time": []}
     p = moe_ops.random_moe_problem(2000, 64, 8, 1024, 512, "nvfp4", device="cuda", seed=7, dropped=(0, 7))
     ref = moe_ops.fp4_moe_reference(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights).float()
     ok_variants = []
@@ -75,16 +79,23 @@ def main() -> None:
     route = make_router(spec)
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        ids, wts, _ = route(torch.randn(T, E, device="cuda"))
+        logits = torch.randn(T, E, device="cuda")
+        if args.routing == "zipf":
+            logits = logits + _zipf_bias(E, torch.Generator(device="cuda").manual_seed(T))
+        ids, wts, _ = route(logits)
         fns = {v: patched(v, lambda: moe_ops.fp4_moe_experts(x, w13, w2, ids, wts)) for v in ok_variants}
         base = fns["default"]().float()
-        row = dict(T=T)
+        counts = torch.bincount(ids.flatten().long(), minlength=E)  # rows per expert
+        row = dict(T=T, active_experts=int((counts > 0).sum()),
+                   experts_129_160=int(((counts > 128) & (counts <= 160)).sum()))  # those a merged tile covers
         for v, fn in fns.items():
             row[f"{v}_vs_default"] = float((fn().float() - base).abs().max() / base.abs().max())
         with ClockMonitor() as mon:
             t = time_cuda_graphs(fns, iters_per_graph=3, reps=9)
         row.update({f"{v}_us": r.median_us for v, r in t.items()}, **mon.summary())
         res["time"].append(row)
+        print(f"T={T} ({args.routing}): {row['active_experts']} experts with rows, {row['experts_129_160']} with "
+              f"129-160", flush=True)
         for v in fns:
             print(f"T={T} {v}: {row[f'{v}_us']:.1f} us ({row['default_us'] / row[f'{v}_us']:.3f}x default), "
                   f"vs default {row[f'{v}_vs_default']:.1e}", flush=True)
