@@ -32,6 +32,7 @@ def test_config_validation_and_choice():
     assert str(merged) == "wgmma_n128_m128_s4_g8_t32_mt" and WgmmaConfig.parse(str(merged)) == merged
     with pytest.raises(ValueError, match="merge_tail.*needs tail_m"):
         WgmmaConfig(merge_tail=True)
+    assert merged.with_tail(0) == WgmmaConfig() and merged.with_tail(32, block_m=64) == replace(merged, block_m=64)
     for bad in (48, 128):  # not a tile height, or not below block_m
         with pytest.raises(ValueError, match="tail_m"):
             WgmmaConfig(tail_m=bad)

@@ -729,6 +729,12 @@ class WgmmaConfig:
         """Weight rows per program."""
         return 16 * self.repeats * self.warps
 
+    def with_tail(self, tail_m: int, block_m: int | None = None) -> WgmmaConfig:
+        """This configuration with ``tail_m``-row tails (0: none) and optionally another ``block_m``;
+        merged tails stay on only while there are tails to merge."""
+        return replace(self, block_m=self.block_m if block_m is None else block_m, tail_m=tail_m,
+                       merge_tail=self.merge_tail and tail_m > 0)
+
     def __str__(self) -> str:
         tail = ("" if self.repeats == 2 else f"_r{self.repeats}") + (f"_t{self.tail_m}" if self.tail_m else "") \
             + (f"_split{self.split_k}" if self.split_k > 1 else "") + ("_ws" if self.ws else "") \

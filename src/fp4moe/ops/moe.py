@@ -570,7 +570,7 @@ PAIR_ROWS_DTYPE = torch.bfloat16
 
 def wgmma_gemm2_config(cfg):
     """GEMM 2's configuration on the plan GEMM 1's ``cfg`` was chosen for (``_GEMM2_TAILS``)."""
-    return cfg if _GEMM2_TAILS else replace(cfg, tail_m=0, merge_tail=False)
+    return cfg if _GEMM2_TAILS else cfg.with_tail(0)
 
 
 def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias, shared_out,

@@ -1396,8 +1396,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
             cfg = wgmma_gemm2_config(cfg)
         if problem.block_m is not None and cfg.block_m != problem.block_m:
             bm = self._block_ms(problem)[0]
-            tail = cfg.tail_m if cfg.tail_m < bm else 0
-            cfg = dataclasses.replace(cfg, block_m=bm, tail_m=tail, merge_tail=cfg.merge_tail and tail > 0)
+            cfg = cfg.with_tail(cfg.tail_m if cfg.tail_m < bm else 0, block_m=bm)
         return cfg
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
