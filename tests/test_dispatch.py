@@ -156,6 +156,37 @@ def test_tile_map_for_another_block_m(block_m, device):
     assert tile_map(empty, 4).tile_expert.shape == (0,) and int(tile_map(empty, 4).n_tiles) == 0
 
 
+@pytest.mark.parametrize("block_m,rows", [(8, (0, 8)), (16, (8, 2**31 - 1)), (4, (2, 5)), (16, (0, 1))])
+def test_class_tile_map_covers_its_experts_only(block_m, rows, device):
+    """A class tile map (experts with lo < rows <= hi) equals the reference's, stays within its
+    worst case, and the classes (0, h], (h, inf) together cover every routed row exactly once."""
+    for case in (CASES[0], CASES[3], CASES[6], CASES[9]):
+        ids = _ids(case).to(device)
+        plan = dispatch(ids, case.E, case.block_m)
+        tiles = tile_map(plan, block_m, rows)
+        counts, offsets = plan.expert_counts.cpu(), plan.expert_offsets.cpu()
+        ref = tile_map_reference(counts, offsets, case.T * case.k, block_m, rows)
+        for name in TILE_FIELDS:
+            assert torch.equal(getattr(tiles, name).cpu(), getattr(ref, name)), (case, name)
+        assert tiles.tile_expert.shape[0] == max_tiles(case.T * case.k, case.E, block_m, rows)
+        n = int(tiles.n_tiles)
+        kept = counts[tiles.tile_expert[:n].long().cpu()]
+        assert bool(((kept > rows[0]) & (kept <= rows[1])).all()), case
+    for case in (CASES[0], CASES[3], CASES[4], CASES[6]):
+        ids = _ids(case).to(device)
+        plan = dispatch(ids, case.E, 16)
+        covered = torch.zeros(ids.numel(), dtype=torch.int32)
+        for bm, cls in ((8, (0, 8)), (16, (8, 2**31 - 1))):
+            t = tile_map(plan, bm, cls)
+            for s, e in zip(t.tile_start[:int(t.n_tiles)].tolist(), t.tile_end[:int(t.n_tiles)].tolist()):
+                covered[s:e] += 1
+        routed = int(plan.expert_offsets[-1])
+        assert torch.equal(covered[:routed], torch.ones(routed, dtype=torch.int32)), case
+    for bad in ((3, 3), (-1, 4), (1,), "0,8", (0.0, 8)):
+        with pytest.raises(ValueError, match="rows"):
+            tile_map(plan, 8, bad)
+
+
 def test_out_of_range_ids_are_dropped_or_rejected(device):
     ids = torch.tensor([[0, 3], [5, 1], [-7, 2]], dtype=torch.int32, device=device)  # 5 >= E, -7 < -1
     with pytest.raises(ValueError, match=r"topk_ids: expected ids in \[0, n_experts=4\) or -1 \(dropped\), "

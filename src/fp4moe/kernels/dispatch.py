@@ -20,13 +20,19 @@ Three ways to get there:
     next_pow2(E + 1) wide, bucket E holding the dropped pairs.
 
 Tile map: expert e with c_e pairs owns ceil(c_e / BLOCK_M) consecutive tiles; tile i covers rows
-[start, end) of one expert. Tiles past the valid count are -1 in all three arrays.
+[start, end) of one expert. Tiles past the valid count are -1 in all three arrays. A *class* tile
+map (``dispatch_tiles_kernel`` with ``rows_lo``, ``rows_hi``) gives tiles only to the experts with
+rows_lo < c_e <= rows_hi, at the rows of the whole plan: the grouped GEMMs run experts of few rows
+and experts of more rows as two launches with different tile heights over one plan.
 """
 
 import triton
 import triton.language as tl
 
 from .pdl import pdl_enter
+
+#: ``rows_hi`` of a tile map over every expert (no class)
+ALL_ROWS = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -53,14 +59,24 @@ def _gather(vec, idx):
 
 
 @triton.jit
+def _expert_tiles(counts, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi):
+    """[BLOCK_E] tiles of each expert: ceil(count / BLOCK_M) for experts 0..E-1 with rows_lo <
+    count <= rows_hi, else 0."""
+    cols = tl.arange(0, counts.shape[0])
+    keep = (cols < E) & (counts > rows_lo) & (counts <= rows_hi)
+    return tl.where(keep, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+
+
+@triton.jit
 def _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ti, max_tiles, counts, offsets, tiles_incl,
-                 n_tiles, E, BLOCK_M: tl.constexpr):
+                 n_tiles, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi):
     """Tile-map entries for tile indices ``ti``. ``counts``, ``offsets`` (exclusive) and
-    ``tiles_incl`` (inclusive prefix sum of the tiles per expert) are [BLOCK_E] vectors."""
+    ``tiles_incl`` (inclusive prefix sum of the tiles per expert, ``_expert_tiles`` with the same
+    ``rows_lo``, ``rows_hi``) are [BLOCK_E] vectors."""
     cols = tl.arange(0, counts.shape[0])
     # the expert of tile i: the number of experts whose tiles all end at or before i
     e = tl.sum(((tiles_incl[None, :] <= ti[:, None]) & (cols[None, :] < E)).to(tl.int32), axis=1)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles = _expert_tiles(counts, E, BLOCK_M, rows_lo, rows_hi)
     first = _gather(tiles_incl - tiles, e)
     base = _gather(offsets, e)
     start = base + (ti - first) * BLOCK_M
@@ -73,12 +89,11 @@ def _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ti, max_tiles, c
 
 
 @triton.jit
-def _expert_table(counts, E, BLOCK_M: tl.constexpr):
+def _expert_table(counts, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi):
     """From bucket counts [BLOCK_E] (experts 0..E-1, then perhaps the dropped bucket E):
-    (exclusive offsets, inclusive tile prefix sum, tile count)."""
-    cols = tl.arange(0, counts.shape[0])
+    (exclusive offsets, inclusive tile prefix sum, tile count); tiles as ``_expert_tiles``."""
     offsets = tl.cumsum(counts, axis=0) - counts
-    tiles = tl.where(cols < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles = _expert_tiles(counts, E, BLOCK_M, rows_lo, rows_hi)
     return offsets, tl.cumsum(tiles, axis=0), tl.sum(tiles, axis=0)
 
 
@@ -125,7 +140,7 @@ def dispatch_fused_kernel(
     for p0 in range(0, n_pairs, BLOCK_P):
         e, p_mask = _buckets(ids_ptr, p0 + tl.arange(0, BLOCK_P), n_pairs, E)
         counts += _count(e, p_mask & (e < E), BLOCK_E)
-    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M)
+    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M, 0, ALL_ROWS)
     n_routed = tl.sum(counts, axis=0)
     _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, n_routed, n_tiles, E)
 
@@ -145,7 +160,7 @@ def dispatch_fused_kernel(
 
     for i0 in range(0, max_tiles, BLOCK_P):
         _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, i0 + lane, max_tiles, counts, offsets,
-                     tiles_incl, n_tiles, E, BLOCK_M)
+                     tiles_incl, n_tiles, E, BLOCK_M, 0, ALL_ROWS)
 
 
 @triton.jit
@@ -245,6 +260,7 @@ def dispatch_tiles_kernel(
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # [max_tiles] int32 out
     n_tiles_out_ptr,  # [1] int32 out: valid tiles
     n_buckets, E, max_tiles,
+    rows_lo, rows_hi,  # tiles only for the experts with rows_lo < count <= rows_hi (0, ALL_ROWS: all)
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr, STORE_TABLE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
@@ -255,7 +271,7 @@ def dispatch_tiles_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     counts = tl.load(bucket_counts_ptr + cols, mask=cols < n_buckets, other=0)
-    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M)
+    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M, rows_lo, rows_hi)
     if pid == 0:
         if STORE_TABLE:
             n_routed = tl.sum(tl.where(cols < E, counts, 0), axis=0)
@@ -263,7 +279,7 @@ def dispatch_tiles_kernel(
         else:
             tl.store(n_tiles_out_ptr + cols, tl.where(cols == 0, n_tiles, 0), mask=cols == 0)
     _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, pid * BLOCK_I + tl.arange(0, BLOCK_I), max_tiles,
-                 counts, offsets, tiles_incl, n_tiles, E, BLOCK_M)
+                 counts, offsets, tiles_incl, n_tiles, E, BLOCK_M, rows_lo, rows_hi)
 
 
 @triton.jit

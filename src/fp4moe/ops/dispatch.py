@@ -34,16 +34,33 @@ __all__ = ["DispatchConfig", "DispatchPlan", "TileMap", "dispatch", "dispatch_re
            "launch_tile_map", "max_tiles", "tile_map", "tile_map_reference", "compile_requests"]
 
 MAX_EXPERTS = 4095  # buckets (E + 1 with the dropped one) are one register vector
+ALL_ROWS = 2**31 - 1  # a class tile map's hi for "no upper bound" (``kernels.dispatch.ALL_ROWS``)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def max_tiles(n_pairs: int, n_experts: int, block_m: int) -> int:
+def max_tiles(n_pairs: int, n_experts: int, block_m: int, rows: tuple[int, int] | None = None) -> int:
     """Worst-case number of tiles: sum_e ceil(c_e / block_m) <= ceil(n / block_m) + E, and never
-    more than one tile per pair."""
-    return min(n_pairs, -(-n_pairs // block_m) + n_experts)
+    more than one tile per pair. ``rows`` = (lo, hi): a class tile map's (experts with lo < c_e <=
+    hi rows): at most n // (lo + 1) such experts, each of at most ceil(min(hi, n) / block_m) tiles."""
+    bound = min(n_pairs, -(-n_pairs // block_m) + n_experts)
+    if rows is None:
+        return bound
+    lo, hi = rows
+    experts = min(n_experts, n_pairs // (lo + 1))
+    return min(bound, -(-n_pairs // block_m) + experts, experts * -(-min(hi, n_pairs) // block_m))
+
+
+def check_rows(rows) -> tuple[int, int] | None:
+    """A class of experts by their rows, (lo, hi) with 0 <= lo < hi: experts with lo < rows <= hi."""
+    if rows is None:
+        return None
+    if (not isinstance(rows, tuple) or len(rows) != 2 or any(isinstance(r, bool) or not isinstance(r, int)
+                                                             for r in rows) or not 0 <= rows[0] < rows[1]):
+        raise ValueError(f"rows: expected (lo, hi) ints with 0 <= lo < hi, got {rows!r}")
+    return (rows[0], min(rows[1], ALL_ROWS))
 
 
 @dataclass(frozen=True)
@@ -190,12 +207,15 @@ def _check_values(topk_ids: torch.Tensor, n_experts: int) -> None:
 
 
 def tile_map_reference(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, n_pairs: int,
-                       block_m: int) -> TileMap:
+                       block_m: int, rows: tuple[int, int] | None = None) -> TileMap:
     E = expert_counts.shape[0]
-    n = max_tiles(n_pairs, E, block_m)
+    n = max_tiles(n_pairs, E, block_m, rows)
+    lo, hi = rows if rows is not None else (0, ALL_ROWS)
     dev = expert_counts.device
     experts, starts, ends = [], [], []
     for e, (c, o) in enumerate(zip(expert_counts.tolist(), expert_offsets.tolist())):
+        if not lo < c <= hi:
+            continue
         for s in range(o, o + c, block_m):
             experts.append(e)
             starts.append(s)
@@ -289,7 +309,7 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
                                                     BLOCK_C=block_c, num_warps=w, **pdl)
         block_i = _block_i(block_e)
         dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
-            bucket_counts, counts, offsets, n_tiles, t_expert, t_start, t_end, n_tiles, block_e, E, n_max,
+            bucket_counts, counts, offsets, n_tiles, t_expert, t_start, t_end, n_tiles, block_e, E, n_max, 0, ALL_ROWS,
             BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w, **pdl)
         dispatch_scatter_kernel[(n_blocks,)](ids, hist, offsets, sorted_token, sorted_pair, pair_row, n, E,
                                              TOP_K=top_k, BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p),
@@ -297,23 +317,25 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
     return counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start, t_end, n_tiles
 
 
-def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int):
-    """Tile map of another ``block_m`` from a plan's expert counts: (expert, start, end, n_tiles)."""
+def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int, rows: tuple[int, int] | None = None):
+    """Tile map of another ``block_m`` from a plan's expert counts: (expert, start, end, n_tiles);
+    ``rows`` = (lo, hi): only the experts with lo < rows <= hi get tiles (``check_rows``)."""
     import triton
 
     from ..kernels.dispatch import dispatch_tiles_kernel
 
     E = expert_counts.shape[0]
-    n_max = max_tiles(n_pairs, E, block_m)
+    lo, hi = rows if rows is not None else (0, ALL_ROWS)
+    n_max = max_tiles(n_pairs, E, block_m, rows)
     i32 = dict(dtype=torch.int32, device=expert_counts.device)
     t_expert, t_start, t_end = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32)
     n_tiles = torch.empty(1, **i32)
-    if n_pairs == 0:
+    if n_pairs == 0 or n_max == 0:
         return t_expert, t_start, t_end, n_tiles.zero_()
     block_e = max(16, _next_pow2(E))
     block_i = _block_i(block_e)
     dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
-        expert_counts, n_tiles, n_tiles, n_tiles, t_expert, t_start, t_end, n_tiles, E, E, n_max,
+        expert_counts, n_tiles, n_tiles, n_tiles, t_expert, t_start, t_end, n_tiles, E, E, n_max, lo, hi,
         BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=False, num_warps=4,
         **pdl_kwargs(expert_counts.device))
     return t_expert, t_start, t_end, n_tiles
@@ -352,14 +374,15 @@ def _dispatch_fake(topk_ids, n_experts, block_m, block_p, fused, num_warps):
 
 
 @torch.library.custom_op("fp4moe::dispatch_tile_map", mutates_args=())
-def _tile_map_op(expert_counts: torch.Tensor, n_pairs: int,
-                 block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_tile_map(expert_counts, n_pairs, block_m)
+def _tile_map_op(expert_counts: torch.Tensor, n_pairs: int, block_m: int, rows_lo: int,
+                 rows_hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows_lo, rows_hi = 0, ALL_ROWS: every expert."""
+    return launch_tile_map(expert_counts, n_pairs, block_m, (rows_lo, rows_hi))
 
 
 @_tile_map_op.register_fake
-def _tile_map_fake(expert_counts, n_pairs, block_m):
-    n_max = max_tiles(n_pairs, expert_counts.shape[0], block_m)
+def _tile_map_fake(expert_counts, n_pairs, block_m, rows_lo, rows_hi):
+    n_max = max_tiles(n_pairs, expert_counts.shape[0], block_m, (rows_lo, rows_hi))
     return (expert_counts.new_empty(n_max), expert_counts.new_empty(n_max), expert_counts.new_empty(n_max),
             expert_counts.new_empty(1))
 
@@ -384,14 +407,17 @@ def dispatch(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, config: Di
                         tiles=TileMap(te, ts, tend, nt, block_m), top_k=topk_ids.shape[1])
 
 
-def tile_map(plan: DispatchPlan, block_m: int) -> TileMap:
+def tile_map(plan: DispatchPlan, block_m: int, rows: tuple[int, int] | None = None) -> TileMap:
     """The plan's tile map for another row-tile size (e.g. GEMM 2 tiling rows differently from
-    GEMM 1): same rows, same experts; one launch, no host synchronisation."""
+    GEMM 1): same rows, same experts; one launch, no host synchronisation. ``rows`` = (lo, hi):
+    tiles only for the experts with lo < rows <= hi (a class: the decode GEMMs run the experts of
+    few rows with shorter tiles in a launch of their own, ``ops.moe.MMAHeights``)."""
     if not isinstance(plan, DispatchPlan):
         raise TypeError(f"plan: expected a DispatchPlan, got {type(plan).__name__}")
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
-    te, ts, tend, nt = _tile_map_op(plan.expert_counts, plan.sorted_pair.shape[0], block_m)
+    lo, hi = check_rows(rows) or (0, ALL_ROWS)
+    te, ts, tend, nt = _tile_map_op(plan.expert_counts, plan.sorted_pair.shape[0], block_m, lo, hi)
     return TileMap(te, ts, tend, nt, block_m)
 
 
@@ -432,7 +458,7 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
                        {**{n: i32 for n in ("bucket_counts_ptr", "counts_ptr", "offsets_ptr", "n_tiles_ptr",
                                             "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr",
                                             "n_tiles_out_ptr")},
-                        "n_buckets": "i32", "E": "i32", "max_tiles": "i32"},
+                        "n_buckets": "i32", "E": "i32", "max_tiles": "i32", "rows_lo": "i32", "rows_hi": "i32"},
                        {"BLOCK_M": block_m, "BLOCK_I": _block_i(block_e), "BLOCK_E": block_e, "STORE_TABLE": True,
                         "PDL": pdl},
                        cc, w, 1),
