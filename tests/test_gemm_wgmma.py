@@ -100,6 +100,31 @@ def test_moe_config_choice():
     assert packed_moe_kernel(sm90, 1.0, 4096, 6136, False) is None  # rows not whole 16-row blocks
 
 
+def test_moe_decode_heights_choice():
+    """Experts averaging 4-8 rows: the 8-row configuration for the experts of at most 8 rows and the
+    16-row one for the others, two launches per GEMM (``MMAHeights``); elsewhere one configuration."""
+    from fp4moe.ops.dispatch import ALL_ROWS
+    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.moe import MMA_HEIGHTS_ROWS, MMAHeights, mma_moe_config, mma_moe_layer_config
+
+    small, large = mma_moe_config(1.0), mma_moe_config(8.0)
+    for rows in (4.1, 6.0, float(MMA_HEIGHTS_ROWS)):
+        cfg = mma_moe_layer_config(rows)
+        assert cfg == MMAHeights(small, large, 8) and cfg.block_m == 16 and cfg.split_k == 1
+        assert cfg.classes() == ((small, (0, 8)), (large, (8, ALL_ROWS)))
+        assert str(cfg) == "mma_n64_m8_k256_w4+mma_n128_m16_k128_w4@8"
+    assert mma_moe_layer_config(1.0) == small and mma_moe_layer_config(4.0) == small
+    assert mma_moe_layer_config(MMA_HEIGHTS_ROWS + 0.1) == large  # (SM80 up to MAX_M rows)
+    with pytest.raises(ValueError, match="shorter"):
+        MMAHeights(large, small, 8)
+    with pytest.raises(ValueError, match="split_k"):
+        MMAHeights(small, MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=2), 8)
+    with pytest.raises(ValueError, match="rows"):
+        MMAHeights(small, large, 0)
+    with pytest.raises(TypeError, match="MMAConfig"):
+        MMAHeights(small, "mma_n128_m16_k128_w4", 8)
+
+
 def test_guard_probe_runs_both_tile_heights():
     """The guard's MoE probe for a configuration with tail_m gives one expert more rows than tail_m
     (GEMM 1's tall variant) and the others fewer (its tail variant), top-k ids distinct per token,
@@ -117,6 +142,19 @@ def test_guard_probe_runs_both_tile_heights():
     assert counts[0] == 136 and 32 < counts[1] < 128 and max(counts[2:]) <= 32  # merged, full alone, tails alone
     small = _probe_problem(7, "nvfp4", device="cpu", dtype=torch.bfloat16, per_row=False, bias=False)
     assert small.topk_ids.shape == (7, 2) and bool((small.topk_ids < 5).all())
+    # the probe's rows for each kind of configuration, as _probe asks for them
+    from fp4moe.ops.moe import _probe_rows, mma_moe_config, mma_moe_layer_config, wgmma_moe_config
+
+    assert _probe_rows(mma_moe_config(1.0)) == (7, 0, 0)
+    assert _probe_rows(wgmma_moe_config(512.0)) == (40, 32, 0)
+    assert _probe_rows(wgmma_moe_config(128.0)) == (136, 32, 40)
+    heights = mma_moe_layer_config(8.0)
+    T, hot, split = _probe_rows(heights)
+    ids = _probe_problem(T, "nvfp4", device="cpu", dtype=torch.bfloat16, per_row=False, bias=False, hot_rows=hot,
+                         split=split).topk_ids
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=5).tolist()
+    # expert 0 on two large tiles, every other expert in the small class
+    assert counts[0] == T > heights.large.block_m and 0 < max(counts[1:]) <= heights.rows, counts
 
 
 def test_activation_pairs_checks():

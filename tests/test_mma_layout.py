@@ -504,6 +504,31 @@ def test_gpu_moe_decode_on_mma_layout(fmt, activation, interleaved, per_row, bia
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("T,rows", [(24, 4), (48, 8), (64, 8), (48, 4)])
+def test_gpu_decode_heights_equal_one_height(monkeypatch, fmt, T, rows):
+    """Two launches per GEMM (``MMAHeights``: 8-row tiles for the experts of at most ``rows`` rows,
+    16-row tiles for the others; 64 experts, top-8, 3-8 rows per expert) give the layer that 16-row
+    tiles alone give, bit for bit (each row's K steps add in the same order), and the guard probes
+    the pair."""
+    from fp4moe import guard
+    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops.moe import MMAHeights, fp4_moe_experts, mma_moe_config, random_moe_problem
+
+    p = random_moe_problem(T, 64, 8, 1024, 512, fmt, device="cuda", seed=5, dropped=(1, 3))
+    heights = MMAHeights(mma_moe_config(1.0), mma_moe_config(8.0), rows)
+    counts = torch.bincount(p.topk_ids[p.topk_ids >= 0].long(), minlength=64)
+    assert int(((counts > 0) & (counts <= rows)).sum()) and int((counts > rows).sum())  # both classes run
+    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda r: heights)
+    guard.reset()
+    two = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
+    assert any(key.config == str(heights) for key in guard._checked)
+    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda r: heights.large)
+    one = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
+    assert torch.equal(two, one)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
 @pytest.mark.parametrize("xs,block_m,T", [(2, 8, 5), (3, 16, 48)])
 def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, per_row, bias, xs, block_m, T):
@@ -516,30 +541,44 @@ def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, p
     check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
 
 
+@pytest.mark.parametrize("heights", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
-def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, interleaved, per_row, bias, fused):
+def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, interleaved, per_row, bias, fused,
+                                             heights):
     """The MoE decode pipeline around the grouped kernel (plan, partials epilogue with globals, bias,
     activation, routing weight and scatter, combine) on CPU: the Gluon GEMM is replaced by a torch
     emulation of its contract (partials of the packed weights, which carry no global scale); with
     ``fused`` GEMM 1's SiLU layers take the fused-epilogue launch, emulated as partials followed by
     the epilogue kernel (the contract ``launch_grouped_mma_swiglu`` states), which checks the
-    arguments the pipeline passes it."""
+    arguments the pipeline passes it. ``heights``: ``MMAHeights``, each GEMM as two launches over
+    the experts of at most 2 rows (8-row tiles) and the others (16-row tiles), into one h and one
+    partial-sum tensor."""
     from fp4moe.ops import mma_layout
     from fp4moe.ops import moe as moe_ops
     from fp4moe.ops.dispatch import dispatch
-    from fp4moe.ops.moe import _run_mma, fp4_moe_reference, mma_moe_config, mma_packed_experts, random_moe_problem
+    from fp4moe.ops.moe import (
+        MMAHeights,
+        _run_mma,
+        fp4_moe_reference,
+        mma_moe_config,
+        mma_packed_experts,
+        random_moe_problem,
+    )
 
     T, E, k, H, I = 5, 6, 3, 64, 32
     p = random_moe_problem(T, E, k, H, I, fmt.name, device="cpu", seed=7, per_row=per_row, bias=bias, dropped=(2, 1))
     x, w13, w2, ids, wts, b13, b2 = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias, p.w2_bias
+    tiles_seen = []
 
-    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False):
+    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False, out=None):
         # GEMM 2 (no gather) runs two kernels after dispatch: it may read the plan before its PDL wait
-        assert plan_ready == (not gather)
+        assert plan_ready == (not gather) and plan.block_m == config.block_m
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
         R = plan.sorted_pair.shape[0]
-        part = torch.full((1, R, n_per_expert), float("nan"))  # rows no tile covers must never be read
+        # rows no tile covers must never be read (a second class's launch fills its own rows)
+        part = torch.full((1, R, n_per_expert), float("nan")) if out is None else out
+        tiles_seen.append((config.block_m, int(plan.n_tiles)))
         for t in range(plan.max_tiles):
             e = int(plan.tile_expert[t])
             if e < 0:
@@ -564,14 +603,20 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", fused)
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # the CPU's tiny grid
     packed = (mma_packed_experts(w13), mma_packed_experts(w2))
-    cfg = mma_moe_config(T * k / E)
+    cfg = MMAHeights(mma_moe_config(1), mma_moe_config(8), 2) if heights else mma_moe_config(T * k / E)
     out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation, interleaved, b13,
                    b2, None, torch.empty(T, H, dtype=torch.bfloat16))
     ref = fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved,
                             w13_bias=b13, w2_bias=b2).float()
     assert torch.isfinite(out.float()).all()
     assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
-    assert len(calls) == int(fused and activation == "silu" and not interleaved)
+    fused_here = fused and activation == "silu" and not interleaved
+    assert len(calls) == (2 if heights else 1) * int(fused_here)
+    if heights:  # both classes ran, the short tiles first, in each GEMM
+        counts = torch.bincount(ids[ids >= 0].long(), minlength=E)
+        small, large = int(((counts > 0) & (counts <= 2)).sum()), int((counts > 2).sum())
+        assert small and large, counts
+        assert tiles_seen == [(8, small), (16, large)] * 2
 
 
 def test_fused_swiglu_gemm1_cross_compiles():

@@ -604,11 +604,13 @@ def _check_grouped(p: MMAPackedFP4, plan, config: MMAConfig) -> None:
 
 
 def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, config: MMAConfig, *,
-                       gather: bool, plan_ready: bool = False) -> torch.Tensor:
+                       gather: bool, plan_ready: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """Partial sums ``part[s, r, :] = W_e @ x[row(r)]`` over the K share of split s, for every sorted
-    row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``), e the
-    row's expert. ``p`` packs the experts' weights stacked [E * n_per_expert, K] without global
-    scales (the MoE epilogue applies them). Returns part [splits, R, n_per_expert] fp32.
+    row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``) that
+    one of the plan's tiles covers, e the row's expert. ``p`` packs the experts' weights stacked
+    [E * n_per_expert, K] without global scales (the MoE epilogue applies them). Returns part
+    [splits, R, n_per_expert] fp32 (``out`` when given: a second launch over another class of the
+    plan's experts, ``ops.dispatch.tile_map(rows=...)``, writes its rows into the same tensor).
     ``plan_ready``: the plan was written at least two kernels before this one in the PDL chain (MoE
     GEMM 2), so with PDL the kernel reads it and requests its first weight step before it waits for
     the previous kernel (whose launch already waited for the plan's writer to complete)."""
@@ -617,7 +619,15 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
         raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")
     R = plan.sorted_pair.shape[0]
     split = _split(config, p.words.shape[1])[1]
-    part = torch.empty((split, R, n_per_expert), dtype=torch.float32, device=x2.device)
+    shape = (split, R, n_per_expert)
+    if out is None:
+        part = torch.empty(shape, dtype=torch.float32, device=x2.device)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous fp32 {shape}, got {out.dtype} {tuple(out.shape)}")
+    else:
+        part = out
+    if plan.max_tiles == 0:  # a class of experts that no batch of this size can fill
+        return part
     _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather,
             plan_ready=plan_ready)
     return part
@@ -629,14 +639,16 @@ def launch_grouped_mma_swiglu(x2: torch.Tensor, p: MMAPackedFP4, n_out: int, pla
     sorted row r of the plan, where g and u are the row's token times the expert's gate rows [0,
     n_out) and up rows [n_out, 2 n_out), with ``globals_`` (``ops.moe._weight_globals``) and
     ``bias`` [E, 2 n_out] applied as ``moe_partials_epilogue_kernel`` does. ``p`` packs the
-    experts' [E * 2 n_out, K] rows without global scales; n_out a multiple of 16; no K split."""
+    experts' [E * 2 n_out, K] rows without global scales; n_out a multiple of 16; no K split. Rows
+    no tile of the plan covers are not written (a class of experts, ``ops.dispatch.tile_map``)."""
     _check_grouped(p, plan, config)
     if config.kw > 1 or config.split_k > 1:
         raise ValueError(f"config: the fused SwiGLU epilogue needs whole K per program, got {config}")
     if n_out % ROWS:
         raise ValueError(f"n_out: the up rows start a whole 16-row block after the gate rows, got {n_out}")
-    _launch(x2, p, bias, out, plan.sorted_pair.shape[0], n_out, config, plan.max_tiles, plan=plan, gather=True,
-            stride_ym=out.stride(0), swiglu=True, globals_=globals_)
+    if plan.max_tiles:
+        _launch(x2, p, bias, out, plan.sorted_pair.shape[0], n_out, config, plan.max_tiles, plan=plan, gather=True,
+                stride_ym=out.stride(0), swiglu=True, globals_=globals_)
     return out
 
 

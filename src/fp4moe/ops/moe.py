@@ -15,7 +15,7 @@ import torch
 from .. import guard
 from ..kernels.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # gpt-oss's activation constants (one definition)
 from ..quantize import FP4Tensor, dequantize
-from .dispatch import DispatchPlan, dispatch, max_tiles
+from .dispatch import DispatchPlan, dispatch, max_tiles, tile_map
 from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype, pdl_kwargs
 
 Activation = Literal["silu", "gpt_oss"]
@@ -363,7 +363,7 @@ def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: s
         return None
     kernel = packed_moe_kernel(arch, rows_per_expert, w13.shape[1], w2.shape[1], interleaved)
     if kernel == "mma":
-        return mma_moe_config(rows_per_expert)
+        return mma_moe_layer_config(rows_per_expert)
     if kernel == "wgmma":
         return wgmma_moe_config(rows_per_expert)
     return None
@@ -408,6 +408,75 @@ def mma_packed_experts(w: FP4Tensor):
         return replace(pack_mma(flat), global_scale=None)
 
     return cached_pack(w, make, with_global=False)
+
+
+#: where experts average more than 4 and at most this many rows (GLM-5 at 129-256 tokens), the
+#: decode GEMMs run as two launches each (``MMAHeights``): the experts with at most 8 rows on the
+#: 8-row configuration, the others on 16-row tiles. H200, GLM-5 experts, both GEMMs only
+#: (scripts/try_moe_two_heights.py, benchmarks/raw/try-moe-two-heights-h200.json): 256 tokens
+#: (149 experts of <= 8 rows, 107 above) 1,605 against 1,685 us and 1,659 against 1,753 on another
+#: lease; 192 tokens 1,514 against 1,656. Per expert the 8-row launch ran at ~89% of the weight-read
+#: bound and the 16-row one at ~71%, so with all experts on 16-row tiles the short ones paid the
+#: taller tile's registers (160 against 126: 3 programs per SM against 4) and MMAs.
+MMA_HEIGHTS_ROWS = 8
+
+
+@dataclass(frozen=True)
+class MMAHeights:
+    """The decode path's grouped mma.sync GEMMs as two launches each over one dispatch plan (made
+    for ``large.block_m``): the experts with at most ``rows`` rows on ``small``, the others on
+    ``large`` (``ops.dispatch.tile_map(rows=...)`` gives each launch its class's tiles; no host
+    synchronisation). Both write into the same h and partial sums; the epilogues and the combine
+    run once. Every output row comes from one launch, so the result equals either configuration's
+    alone bit for bit where their K steps add in the same order."""
+
+    small: object  # MMAConfig
+    large: object  # MMAConfig
+    rows: int
+
+    def __post_init__(self) -> None:
+        from .mma_layout import MMAConfig
+
+        if not (isinstance(self.small, MMAConfig) and isinstance(self.large, MMAConfig)):
+            raise TypeError(f"MMAHeights: expected two MMAConfig, got {type(self.small).__name__}, "
+                            f"{type(self.large).__name__}")
+        if isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 1:
+            raise ValueError(f"MMAHeights.rows: expected a positive int, got {self.rows!r}")
+        if not self.small.block_m < self.large.block_m:
+            raise ValueError(f"MMAHeights: small tiles ({self.small.block_m} rows) must be shorter than large "
+                             f"ones ({self.large.block_m})")
+        if self.small.split_k != self.large.split_k or self.small.kw != 1 or self.large.kw != 1:
+            raise ValueError("MMAHeights: both launches write one partial-sum tensor (the same split_k, kw = 1), "
+                             f"got {self.small} and {self.large}")
+
+    @property
+    def block_m(self) -> int:
+        """The dispatch plan's tile height (the large class's)."""
+        return self.large.block_m
+
+    @property
+    def split_k(self) -> int:
+        return self.large.split_k
+
+    def classes(self):
+        """(configuration, (lo, hi) rows of its experts) per launch, the short tiles first."""
+        from .dispatch import ALL_ROWS
+
+        return ((self.small, (0, self.rows)), (self.large, (self.rows, ALL_ROWS)))
+
+    def __str__(self) -> str:
+        return f"{self.small}+{self.large}@{self.rows}"
+
+
+def mma_moe_layer_config(rows_per_expert: float):
+    """The decode path's configuration: ``mma_moe_config``'s, or where its tiles are taller than
+    8 rows and experts average at most ``MMA_HEIGHTS_ROWS``, an ``MMAHeights`` of the 8-row
+    configuration for the experts of at most 8 rows and that one for the others."""
+    cfg = mma_moe_config(rows_per_expert)
+    small = mma_moe_config(1)
+    if cfg.block_m > small.block_m and rows_per_expert <= MMA_HEIGHTS_ROWS:
+        return MMAHeights(small, cfg, small.block_m)
+    return cfg
 
 
 def mma_moe_config(rows_per_expert: float):
@@ -518,7 +587,10 @@ def fused_programs_per_sm(tiles: int, I: int, cfg, sm_count: int) -> float:
 
 
 def decode_fuses_swiglu(cfg, activation: str, interleaved: bool, I: int, tiles: int, device) -> bool:
-    """``fuses_swiglu`` for a plan of ``tiles`` tiles (its worst case, ``max_tiles``) on ``device``."""
+    """``fuses_swiglu`` for a plan of ``tiles`` tiles (its worst case, ``max_tiles``) on ``device``
+    (``MMAHeights``: the large class's configuration decides for both launches)."""
+    if isinstance(cfg, MMAHeights):
+        cfg = cfg.large
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     return fuses_swiglu(cfg, activation, interleaved, I, fused_programs_per_sm(tiles, I, cfg, sm_count))
 
@@ -527,8 +599,9 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
              shared_out, out, fused=None, requant=None):
     """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
     partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
-    the combine in one kernel; ``cfg`` (an ``MMAConfig``) for both GEMMs, the plan made for
-    ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``) pins GEMM 1's variant. ``requant``
+    the combine in one kernel; ``cfg`` (an ``MMAConfig``, or ``MMAHeights``: two launches per GEMM)
+    for both GEMMs, the plan made for ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``)
+    pins GEMM 1's variant. ``requant``
     (emulated W4A4, ``_w4a4_activations``): h -> (GEMM 2's bf16 input, w2 with its global scales) between
     the GEMMs; h (in ``out``'s dtype, x's) is then zero in the rows of dropped slots."""
     from .mma_layout import launch_grouped_mma, launch_grouped_mma_swiglu
@@ -539,16 +612,25 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     h = (torch.zeros if requant else torch.empty)((T * k, I), dtype=out.dtype, device=x.device)
     if fused is None:
         fused = decode_fuses_swiglu(cfg, activation, interleaved, I, plan.max_tiles, x.device)
-    if fused:
-        launch_grouped_mma_swiglu(x, p13, I, plan, cfg, h, _weight_globals(w13), w13_bias)
+    if isinstance(cfg, MMAHeights):  # each class's tiles over the same plan (both maps before the GEMMs)
+        launches = [(c, replace(plan, tiles=tile_map(plan, c.block_m, rows))) for c, rows in cfg.classes()]
     else:
-        part = launch_grouped_mma(x, p13, 2 * I, plan, cfg, gather=True)
+        launches = [(cfg, plan)]
+    part = None
+    for c, pl in launches:
+        if fused:
+            launch_grouped_mma_swiglu(x, p13, I, pl, c, h, _weight_globals(w13), w13_bias)
+        else:
+            part = launch_grouped_mma(x, p13, 2 * I, pl, c, gather=True, out=part)
+    if not fused:
         launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved,
                                  scatter=False, row_weight=None, bias=w13_bias)
     if requant:
         h, w2 = requant(h)
     # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
-    part = launch_grouped_mma(h, p2, H, plan, cfg, gather=False, plan_ready=True)
+    part = None
+    for c, pl in launches:
+        part = launch_grouped_mma(h, p2, H, pl, c, gather=False, plan_ready=True, out=part)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
 
@@ -613,7 +695,7 @@ def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activa
     if mode == "w4a4":  # emulated: each GEMM's activations quantized, then dequantized for the W4A16 kernels
         x, w13 = _w4a4_activations(x, input_global_scale, w13)
         requant = functools.partial(_w4a4_requantize, w2=w2)
-    if isinstance(cfg, MMAConfig):
+    if isinstance(cfg, (MMAConfig, MMAHeights)):
         return _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
                         w2_bias, shared_out, out, fused, requant)
     return _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, w13_bias, w2_bias,
@@ -736,21 +818,27 @@ def _probe_problem(T: int, fmt: str, *, device, dtype, per_row: bool, bias: bool
     return p
 
 
+def _probe_rows(mma_config) -> tuple[int, int, int]:
+    """(T, hot_rows, split) of ``_probe_problem`` for the probe of ``mma_config`` (``_probe``)."""
+    tail = getattr(mma_config, "tail_m", 0)
+    if getattr(mma_config, "merge_tail", False):
+        return mma_config.block_m + 8, tail, tail + 8  # expert 1: tail + 7 rows (the dropped slot is its)
+    if isinstance(mma_config, MMAHeights):  # expert 0 two large tiles, the others at most ``rows`` rows
+        return mma_config.block_m + 4, mma_config.rows, 0
+    return (tail + 8 if tail else 7), tail, 0
+
+
 def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_row=False, bias=False,
            mma_config=None, fused=None):
     """A small layer through the same launches, configurations and variant (dtype, per-row globals,
     biases, one dropped slot; ``fused``: the decode path's GEMM 1 variant), and its reference. With a
     tail height (``WgmmaConfig.tail_m``) one expert gets more rows than it, so both of GEMM 1's
     tile variants run; with ``merge_tail`` that expert gets a full tile and a short one (merged),
-    another one more rows than the tail and fewer than a tile, the rest at most the tail."""
+    another one more rows than the tail and fewer than a tile, the rest at most the tail. With
+    ``MMAHeights`` one expert has more rows than a large tile and the others at most ``rows``."""
     k, E = 2, 5
-    tail = getattr(mma_config, "tail_m", 0)
-    split = 0
-    if getattr(mma_config, "merge_tail", False):
-        T, split = mma_config.block_m + 8, tail + 8  # expert 1: tail + 7 rows (the dropped slot is its)
-    else:
-        T = tail + 8 if tail else 7
-    p = _probe_problem(T, fmt, device=device, dtype=dtype, per_row=per_row, bias=bias, hot_rows=tail, split=split)
+    T, hot_rows, split = _probe_rows(mma_config)
+    p = _probe_problem(T, fmt, device=device, dtype=dtype, per_row=per_row, bias=bias, hot_rows=hot_rows, split=split)
     out = torch.empty((T, 128), dtype=dtype, device=device)
     if mma_config is not None:  # the packed-layout path, with the caller's configuration
         packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
