@@ -181,6 +181,33 @@ def test_pinned_block_m_and_the_model_plan_share_one_dispatch_plan():
         assert grouped[0].chosen.config.block_m == grouped[1].chosen.config.block_m
 
 
+def test_decode_heights_planned_as_two_launches_per_gemm():
+    """Where the runtime runs each decode GEMM as two launches (``ops.moe.MMAHeights``: GLM-5 on
+    SM90 at 256 tokens, 8 rows per expert), ``fp4moe plan`` lists one row per class with that
+    class's configuration and its expected share of the rows (binomial under uniform routing:
+    ~59% of the experts hold at most 8 rows); the classes' rows add up to the layer's pairs."""
+    from fp4moe.models import get_model
+    from fp4moe.ops.moe import mma_moe_layer_config
+    from fp4moe.plan.cli import plan_model
+
+    heights = mma_moe_layer_config(8.0)
+    planned = plan_model(get_model("glm-5"), arch="sm90", tokens=(16, 256), compile=False)
+    rows = [(t, name, r) for t, name, _, r in planned if r.kernel == "fp4_moe_mma"]
+    assert [name for t, name, _ in rows if t == 16] == ["experts.w13 (gate+up)", "experts.w2 (down)"]
+    at256 = [(name, r) for t, name, r in rows if t == 256]
+    assert [name for name, _ in at256] == [
+        "experts.w13 (gate+up), experts of <= 8 rows", "experts.w13 (gate+up), experts of > 8 rows",
+        "experts.w2 (down), experts of <= 8 rows", "experts.w2 (down), experts of > 8 rows"]
+    for i in (0, 2):
+        small, large = at256[i][1], at256[i + 1][1]
+        assert small.chosen.config == heights.small and large.chosen.config == heights.large
+        assert small.problem.pairs + large.problem.pairs == 256 * TOP_K
+        assert 145 <= small.problem.active_experts <= 160 and 95 <= large.problem.active_experts <= 110
+        assert small.problem.rows == (0, 8) and "experts of 0 < rows <= 8" in str(small.problem)
+    with pytest.raises(ValueError, match="rows"):
+        MoEGemmProblem(256, TOP_K, E, 2048, H, rows=(8, 8))
+
+
 def test_spills_outside_the_wgmma_main_loop_are_kept_and_reported(cache):
     """A wgmma configuration whose spills all sit outside the main loop (GEMM 2 without tail tiles:
     255 registers, an epilogue spill) stays legal and is reported as such; the same spill inside

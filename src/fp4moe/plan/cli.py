@@ -74,7 +74,6 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     entries, items = [], []
     for t in tokens:
         for op in fp4_linear_ops(model, t, tp=tp, ep=ep):
-            entries.append((t, op.name, op))
             if op.name in _GROUPED:  # the routed experts: one grouped GEMM over every local expert
                 problem = moe_problem(model, t, _GROUPED[op.name], tp=tp, ep=ep, fmt=fmt, mode=mode, arch=target)
                 kernel = _moe_kernel(model, problem, target)
@@ -83,24 +82,46 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
                     # ops.moe._w4a4_activations: their specs plan it as such)
                     problem = dataclasses.replace(problem, block_m=None)
                     problem = dataclasses.replace(problem, block_m=get_kernel(kernel).heuristic(problem, target).block_m)
-                items.append((kernel, problem))
-            else:
-                kernel = _linear_kernel(op.M, op.N, op.K, mode, target, fmt)
-                if kernel == "nvfp4_weight_dequantize":  # then torch's matmul (cuBLAS): not planned here
-                    items.append((kernel, WeightDequantizeProblem(N=op.N, K=op.K)))
-                    continue
-                # emulated W4A4 on a packed kernel: x dequantized to bf16 (ops.linear._launch_packed)
-                items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
-                if mode == "w4a4":  # each fp4_linear quantizes its own input (a checkpoint's static scale)
-                    chain = _activation_chain(f"{op.name} input", op.M, op.K, kernel, dynamic=False)
-                    entries += [(t, name, None) for name, _ in chain]
-                    items += [item for _, item in chain]
+                for name, planned in _decode_launches(op.name, kernel, problem):
+                    entries.append((t, name, op))
+                    items.append((kernel, planned))
+                continue
+            entries.append((t, op.name, op))
+            kernel = _linear_kernel(op.M, op.N, op.K, mode, target, fmt)
+            if kernel == "nvfp4_weight_dequantize":  # then torch's matmul (cuBLAS): not planned here
+                items.append((kernel, WeightDequantizeProblem(N=op.N, K=op.K)))
+                continue
+            # emulated W4A4 on a packed kernel: x dequantized to bf16 (ops.linear._launch_packed)
+            items.append((kernel, LinearProblem(M=op.M, N=op.N, K=op.K, fmt=fmt, mode=mode)))
+            if mode == "w4a4":  # each fp4_linear quantizes its own input (a checkpoint's static scale)
+                chain = _activation_chain(f"{op.name} input", op.M, op.K, kernel, dynamic=False)
+                entries += [(t, name, None) for name, _ in chain]
+                items += [item for _, item in chain]
         if mode == "w4a4" and getattr(model, "n_experts", 0):  # the experts' x (once per token) and h
             chain = _w4a4_chain(model, t, tp, ep, target)
             entries += [(t, name, None) for name, _ in chain]
             items += [item for _, item in chain]
     results = plan_many(items, arch, gpu, compile=compile, jobs=jobs)
     return [(t, name, op, r) for (t, name, op), r in zip(entries, results)]
+
+
+def _decode_launches(name: str, kernel: str, problem) -> list:
+    """[(row name, problem)] of one grouped GEMM: itself, or where the runtime runs it as two
+    launches (``ops.moe.MMAHeights``: the experts of few rows on shorter tiles) one per class of
+    experts, each with its class's expected share of the rows (``MoEGemmProblem.rows``)."""
+    from ..ops.dispatch import ALL_ROWS
+    from ..ops.moe import MMAHeights, mma_moe_layer_config
+
+    if kernel != "fp4_moe_mma":
+        return [(name, problem)]
+    layer = mma_moe_layer_config(problem.pairs / problem.E)
+    if not isinstance(layer, MMAHeights):
+        return [(name, problem)]
+    out = []
+    for cfg, (lo, hi) in layer.classes():
+        which = f"<= {hi} rows" if lo == 0 else (f"> {lo} rows" if hi == ALL_ROWS else f"{lo + 1}-{hi} rows")
+        out.append((f"{name}, experts of {which}", dataclasses.replace(problem, rows=(lo, hi), block_m=cfg.block_m)))
+    return out
 
 
 def _activation_chain(name: str, M: int, K: int, reader: str, globals_: int = 1, dynamic: bool = True) -> list:

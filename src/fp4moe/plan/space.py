@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -1053,7 +1054,10 @@ class MoEGemmProblem:
     mode "w4a16": x bf16/fp16; "w4a4": x quantized to NVFP4 (NVFP4 weights only).
     ``block_m``: the dispatch plan's tile height when it is fixed (both GEMMs of a layer run on
     one plan, so they must share block_m; 8 only for the mma.sync kernel); None lets the planner
-    choose it.
+    choose it. ``rows`` = (lo, hi): one launch of a decode GEMM that runs as two
+    (``ops.moe.MMAHeights``), over the experts with lo < rows <= hi only; ``pairs`` and
+    ``active_experts`` are then that class's expected share under uniform routing (each expert
+    takes a token with probability top_k / E, so its rows are binomial).
     """
 
     T: int
@@ -1066,8 +1070,12 @@ class MoEGemmProblem:
     mode: Literal["w4a16", "w4a4"] = "w4a16"
     x_dtype: Literal["bf16", "fp16"] = "bf16"
     block_m: int | None = None
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        from ..ops.dispatch import check_rows
+
+        object.__setattr__(self, "rows", check_rows(self.rows))
         for name in ("T", "top_k", "E", "N", "K"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -1090,13 +1098,33 @@ class MoEGemmProblem:
 
     @property
     def pairs(self) -> int:
-        """Token-expert pairs (rows of the grouped GEMM)."""
-        return self.T * self.top_k
+        """Token-expert pairs (rows of the grouped GEMM; of a class: its expected rows, at least 1)."""
+        if self.rows is None:
+            return self.T * self.top_k
+        return max(1, round(self.E * self._class_share()[1]))
 
     @property
     def active_experts(self) -> int:
-        """Experts that receive at least one row: ``min(E, T * top_k)`` (uniform routing)."""
-        return min(self.E, self.pairs)
+        """Experts that receive at least one row: ``min(E, T * top_k)`` (uniform routing; of a class:
+        its expected experts, at least 1)."""
+        if self.rows is None:
+            return min(self.E, self.pairs)
+        return max(1, round(self.E * self._class_share()[0]))
+
+    def _class_share(self) -> tuple[float, float]:
+        """(P(lo < c <= hi), E[c; lo < c <= hi]) for one expert's rows c ~ Binomial(T, top_k / E)."""
+        lo, hi = self.rows
+        p = min(1.0, self.top_k / self.E)
+        prob = mean = 0.0
+        for c in range(lo + 1, min(hi, self.T) + 1):
+            if p == 1.0:
+                pc = float(c == self.T)
+            else:
+                pc = math.exp(math.lgamma(self.T + 1) - math.lgamma(c + 1) - math.lgamma(self.T - c + 1)
+                              + c * math.log(p) + (self.T - c) * math.log1p(-p))
+            prob += pc
+            mean += c * pc
+        return prob, mean
 
     @property
     def weight_rows(self) -> int:
@@ -1116,6 +1144,8 @@ class MoEGemmProblem:
     def __str__(self) -> str:
         what = "gate+up" if self.gemm == 1 else "down"
         pinned = f" block_m={self.block_m}" if self.block_m is not None else ""
+        if self.rows is not None:
+            pinned += f" experts of {self.rows[0]} < rows <= {self.rows[1]}"
         return (f"GEMM {self.gemm} ({what}) T={self.T} top_k={self.top_k} E={self.E} N={self.N} K={self.K} "
                 f"{self.fmt} {self.mode}{pinned}")
 
@@ -1287,11 +1317,17 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
                 for kh in (1, 2, 4)]
 
     def heuristic(self, problem: MoEGemmProblem, arch: Arch, sm_count: int | None = None):
-        from ..ops.moe import mma_moe_config
+        """The runtime's configuration (``ops.moe.mma_moe_layer_config``): where it runs two launches
+        (``MMAHeights``), that of the problem's class (``rows``), or without one the large tiles'
+        (the dispatch plan's height)."""
+        from ..ops.moe import MMAHeights, mma_moe_layer_config
 
         self.check_problem(problem)
         self._check_mode(problem, arch)
-        cfg = mma_moe_config(problem.pairs / problem.E)
+        cfg = mma_moe_layer_config(problem.T * problem.top_k / problem.E)
+        if isinstance(cfg, MMAHeights):
+            chosen = [c for c, rows in cfg.classes() if rows == problem.rows]
+            cfg = chosen[0] if chosen else cfg.large
         if problem.block_m in (8, 16) and cfg.block_m != problem.block_m:
             cfg = dataclasses.replace(cfg, block_m=problem.block_m)
         return cfg
@@ -1315,9 +1351,13 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         ``model_time`` models (and the registers it reports are that variant's: 121 against 72 on
         SM90)."""
         from ..ops.dispatch import max_tiles
-        from ..ops.moe import fused_programs_per_sm, fuses_swiglu
+        from ..ops.moe import MMAHeights, fused_programs_per_sm, fuses_swiglu, mma_moe_layer_config
 
-        tiles = max_tiles(problem.pairs, problem.E, config.block_m)
+        pairs = problem.T * problem.top_k
+        if problem.rows is not None:  # both launches of MMAHeights: as the large class's plan decides
+            layer = mma_moe_layer_config(pairs / problem.E)
+            config = layer.large if isinstance(layer, MMAHeights) else config
+        tiles = max_tiles(pairs, problem.E, config.block_m)
         return problem.gemm == 1 and fuses_swiglu(config, "silu", False, problem.N,
                                                   fused_programs_per_sm(tiles, problem.N, config, sm_count))
 
