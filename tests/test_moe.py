@@ -176,8 +176,10 @@ def test_gpu_model_sizes(case, mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,E,k,H,I,per_row", [(1, 64, 8, 1024, 512, False), (7, 16, 4, 512, 256, False),
-                                               (7, 16, 4, 512, 256, True), (128, 16, 4, 512, 256, False)],
-                         ids=["decode_one_token", "decode", "decode_per_row_globals", "32_rows_per_expert"])
+                                               (7, 16, 4, 512, 256, True), (48, 64, 8, 1024, 512, False),
+                                               (128, 16, 4, 512, 256, False)],
+                         ids=["decode_one_token", "decode", "decode_per_row_globals", "decode_two_heights",
+                              "32_rows_per_expert"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic_scale", "static_scale"])
 def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, per_row, dtype, static):
