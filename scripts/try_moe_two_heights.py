@@ -6,6 +6,7 @@ case as a capturable version would be. GPU only.
 Usage: PYTHONPATH=src python3 scripts/try_moe_two_heights.py [--tokens 256] [--out DIR]"""
 import argparse
 import json
+import os
 from dataclasses import replace
 
 import torch
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--b-configs", default="mma_n128_m16_k128_w4,mma_n64_m16_k128_w4,mma_n64_m16_k256_w4,"
                                            "mma_n64_m16_k256_w2")
     ap.add_argument("--a-configs", default="mma_n64_m8_k256_w4")
+    ap.add_argument("--b-maxnreg", default="", help="G1,G2: register caps for the 16-row launches (e.g. 128,80), "
+                                                     "timed as extra variants of the first --b-configs entry")
     ap.add_argument("--out")
     args = ap.parse_args()
     from fp4moe.bench.moe import _router, random_experts
@@ -113,9 +116,42 @@ def main() -> None:
                      big_only_us=t_b, speedup=t_base / t_two)
             row["variants"].append(v)
             print(T, v, flush=True)
+        if args.b_maxnreg:
+            from fp4moe.kernels import linear_mma
+
+            caps = [int(c) for c in args.b_maxnreg.split(",")]
+            kernel = linear_mma.fp4_linear_mma_kernel
+
+            class Capped:  # the 16-row launches compiled with a register cap (GEMM 1 fused: SWIGLU)
+                def __getitem__(self, grid):
+                    def launch(*a, **kw):
+                        if kw.get("BLOCK_M") == 16:
+                            kw["maxnreg"] = caps[0] if kw.get("SWIGLU") else caps[1]
+                        return kernel[grid](*a, **kw)
+                    return launch
+
+            cfg_b = MMAConfig.parse(args.b_configs.split(",")[0].removesuffix(":u"))
+            tm_b, nb = class_tiles(counts, offsets, args.split, 1 << 30, cfg_b.block_m, T * k // cfg_b.block_m + E,
+                                   x.device)
+            plan_b = replace(plan16, tiles=tm_b)
+            two = [(plan_a, cfg8), (plan_b, cfg_b)]
+            linear_mma.fp4_linear_mma_kernel = Capped()
+            try:
+                h.zero_()
+                gemms(two)
+                ok_h = bool(torch.equal(h, h_ref))
+                t_two = time_cuda_graph(lambda: gemms(two), iters_per_graph=10, reps=10).median_us
+                t_b = time_cuda_graph(lambda: gemms([(plan_b, cfg_b)]), iters_per_graph=10, reps=10).median_us
+            finally:
+                linear_mma.fp4_linear_mma_kernel = kernel
+            v = dict(b_config=f"{cfg_b} maxnreg {args.b_maxnreg}", h_equal=ok_h, two_us=t_two, big_only_us=t_b,
+                     speedup=t_base / t_two)
+            row["variants"].append(v)
+            print(T, v, flush=True)
         print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "variants"}), flush=True)
         res.append(row)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(f"{args.out}/try-moe-two-heights-h200.json", "w") as f:
             json.dump(dict(about=__doc__.splitlines()[0], rows=res), f, indent=1)
 
