@@ -400,3 +400,25 @@ def test_stacked_matrices_may_carry_one_global_scale_each():
     assert torch.equal(fp4moe.dequantize(per_row, torch.float32), got)
     with pytest.raises(ValueError, match=r"broadcasting to \(3, 32\)"):
         fp4moe.FP4Tensor(stacked.data, stacked.scales, torch.ones(2, 1), w.shape, "nvfp4")
+
+
+def test_copied_and_loaded_formats_are_the_registered_objects():
+    """Kernels and checks compare formats with ``is``: a deep-copied, pickled or torch.load-ed
+    weight must keep the registered format object (a copy once read as MXFP4 in the MMA pack)."""
+    import copy
+    import io
+    import pickle
+
+    from fp4moe.formats import MXFP4, NVFP4, FP4Format, get_format
+
+    assert copy.deepcopy(NVFP4) is NVFP4 and copy.copy(MXFP4) is MXFP4
+    assert pickle.loads(pickle.dumps(MXFP4)) is MXFP4
+    assert get_format(FP4Format("nvfp4", 16, "e4m3", True)) is NVFP4
+    custom = FP4Format("custom", 16, "e4m3", True)
+    assert copy.deepcopy(custom) == custom and get_format(custom) is custom
+    q = fp4moe.quantize(torch.randn(32, 128), "nvfp4")
+    assert copy.deepcopy(q).fmt is NVFP4
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False).fmt is NVFP4

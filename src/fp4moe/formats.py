@@ -68,6 +68,12 @@ class FP4Format:
     def __str__(self) -> str:  # shows up in error messages and tables
         return self.name
 
+    def __reduce__(self):
+        # copies and unpickled formats are the registered objects: code compares formats with ``is``
+        if FORMATS.get(self.name) == self:
+            return get_format, (self.name,)
+        return FP4Format, (self.name, self.block_size, self.scale_kind, self.has_global_scale)
+
 
 NVFP4 = FP4Format(name="nvfp4", block_size=16, scale_kind="e4m3", has_global_scale=True)
 MXFP4 = FP4Format(name="mxfp4", block_size=32, scale_kind="e8m0", has_global_scale=False)
@@ -75,9 +81,10 @@ FORMATS: dict[str, FP4Format] = {NVFP4.name: NVFP4, MXFP4.name: MXFP4}
 
 
 def get_format(fmt: str | FP4Format) -> FP4Format:
-    """Return the format named ``fmt`` ("nvfp4" or "mxfp4", any case) or ``fmt`` itself."""
+    """Return the format named ``fmt`` ("nvfp4" or "mxfp4", any case) or ``fmt`` itself (the
+    registered object where ``fmt`` equals one: formats are compared with ``is``)."""
     if isinstance(fmt, FP4Format):
-        return fmt
+        return fmt if FORMATS.get(fmt.name) != fmt else FORMATS[fmt.name]
     if not isinstance(fmt, str):
         raise TypeError(f"fmt: expected 'nvfp4', 'mxfp4' or an FP4Format, got {type(fmt).__name__}")
     try:
