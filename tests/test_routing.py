@@ -231,6 +231,43 @@ def test_nonfinite_logits(device):
         route_reference(logits, routing, bias)
 
 
+@pytest.mark.parametrize("kind", ["softmax", "sigmoid_bias"])
+def test_nonfinite_token_leaves_oea_of_the_others_alone(device, kind):
+    """A NaN token is routed as if its logits were 0 (experts 0..k0-1 by the tie rule): with OEA
+    it must neither open those experts to the other tokens nor count in the statistics."""
+    routing = Routing(kind, top_k=4)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 24, generator=g).to(device) + 3.0  # experts 0, 1 never the others' own picks
+    logits[:, :2] -= 20.0
+    bad = torch.cat([logits[:2], torch.full_like(logits[:1], float("nan")), logits[2:]])
+    out = route(bad, routing, k0=2)
+    ref = route_reference(logits, routing, k0=2)
+    good = [0, 1, 3, 4, 5]
+    assert out.nonfinite.tolist() == [0, 0, 1, 0, 0, 0]
+    assert_same_bits(out.topk_ids[good], ref.topk_ids, "topk_ids")
+    assert_same_bits(out.topk_weights[good], ref.topk_weights, "topk_weights")
+    assert int(out.stats.active_experts) == int(ref.stats.active_experts)
+    assert int(out.stats.exact_experts) == int(ref.stats.exact_experts)
+    assert math.isnan(float(out.stats.kept_fraction[2]))
+    assert float(out.stats.mean_kept_fraction()) == float(ref.stats.kept_fraction.mean())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # the interpreter's numpy adds 3e38 + 1e38
+def test_gpt_oss_selection_overflow_is_nonfinite(device):
+    routing = Routing("gpt_oss", top_k=2)
+    logits = torch.tensor([[3e38, 1.0, 0.0, -1.0], [0.5, 1.0, 0.0, -1.0]], device=device)
+    bias = torch.tensor([1e38, 0.0, 0.0, 0.0], device=device)
+    out = route(logits, routing, bias)
+    assert out.nonfinite.tolist() == [1, 0]
+    assert bool(out.topk_weights[0].isnan().all()) and not bool(out.topk_weights[1].isnan().any())
+    ref = route_reference(logits[1:], routing, bias)
+    assert_same_bits(out.topk_weights[1:], ref.topk_weights, "topk_weights")
+    with pytest.raises(ValueError, match=r"logits \+ bias: the selection score overflows fp32 \(first at token 0"):
+        route_reference(logits, routing, bias)
+    with pytest.raises(ValueError, match="NaN/Inf in router logits at token 0"):
+        route(logits, routing, bias, check_finite=True)
+
+
 def test_bad_inputs(device):
     x = torch.randn(4, 16, device=device)
     r = Routing("sigmoid_bias", top_k=4, n_group=4, topk_group=2)
@@ -506,3 +543,16 @@ def test_gpu_torch_compile():
     assert_same_bits(ids, ref.topk_ids, "topk_ids")
     assert_same_bits(w, ref.topk_weights, "topk_weights")
     assert_same_bits(kept, ref.stats.kept_fraction, "kept_fraction")
+
+
+def test_routing_fields_are_checked_at_construction():
+    for kwargs, field in [(dict(top_k=2.0), "top_k"), (dict(top_k=True), "top_k"), (dict(top_k=0), "top_k"),
+                          (dict(top_k=2, n_group=0), "n_group"), (dict(top_k=2, topk_group=1.5), "topk_group"),
+                          (dict(top_k=2, renormalize=1), "renormalize"),
+                          (dict(top_k=2, routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+                          (dict(top_k=2, routed_scaling_factor=-1.0), "routed_scaling_factor")]:
+        with pytest.raises(ValueError, match=rf"Routing\.{field}: expected"):
+            Routing("sigmoid_bias", **kwargs)
+    with pytest.raises(ValueError, match="Routing.kind: expected"):
+        Routing("topk", top_k=2)
+    assert Routing("sigmoid_bias", top_k=8, routed_scaling_factor=2).routed_scaling_factor == 2

@@ -8,6 +8,7 @@ what ``fp4 plan`` plans.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +28,20 @@ class Routing:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        # types and ranges only; what depends on the expert count is checked where E is known
+        if self.kind not in ("softmax", "sigmoid_bias", "gpt_oss"):
+            raise ValueError(f"Routing.kind: expected 'softmax', 'sigmoid_bias' or 'gpt_oss', got {self.kind!r}")
+        for name in ("top_k", "n_group", "topk_group"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Routing.{name}: expected a positive int, got {v!r}")
+        if not isinstance(self.renormalize, bool):
+            raise ValueError(f"Routing.renormalize: expected a bool, got {self.renormalize!r}")
+        f = self.routed_scaling_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ValueError(f"Routing.routed_scaling_factor: expected a positive finite number, got {f!r}")
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,8 @@ def routing_kernel(
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=c_mask, other=0.0).to(tl.float32)
         nonfinite = nonfinite | ((b != b) | (tl.abs(b) == float("inf")))[None, :]
+        if KIND == KIND_GPT_OSS:  # finite logit + finite bias can still overflow the selection score
+            nonfinite = nonfinite | (tl.abs(x + b[None, :]) == float("inf"))
     bad = tl.max(nonfinite.to(tl.int32), axis=1) > 0
     x = tl.where(bad[:, None], 0.0, x)
 
@@ -210,7 +212,8 @@ def routing_kernel(
         avail = elig
         for j in range(K0):
             idx, v, found, avail = _pick(key, val, avail, cols)
-            tl.store(active_ptr + idx, tl.full([BLOCK_T], 1, tl.int32), mask=t_mask & found)
+            # a NaN/Inf token (routed as if its logits were 0) must not widen the others' choice
+            tl.store(active_ptr + idx, tl.full([BLOCK_T], 1, tl.int32), mask=t_mask & found & ~bad)
     else:
         kcols = tl.arange(0, BLOCK_K)
         ids_t = tl.full([BLOCK_T, BLOCK_K], -1, tl.int32)
@@ -238,7 +241,7 @@ def routing_kernel(
             for j in range(TOP_K):
                 idx, v, found, exact_avail = _pick(key, val, exact_avail, cols)
                 exact_mass = exact_mass + v
-                tl.store(exact_ptr + idx, tl.full([BLOCK_T], 1, tl.int32), mask=t_mask & found)
+                tl.store(exact_ptr + idx, tl.full([BLOCK_T], 1, tl.int32), mask=t_mask & found & ~bad)
             kept = tl.math.div_rn(mass, exact_mass)
             tl.store(kept_ptr + offs_t, tl.where(bad, float("nan"), kept), mask=t_mask)
 

@@ -48,9 +48,12 @@ when exact routing picked, by biased score, experts of smaller unbiased score.
 Implementation: exact routing is one launch; OEA is two (pass 1 marks the active experts in an
 int32 [E] mask, pass 2 re-routes and fills), with no host synchronisation.
 
-NaN/Inf in the logits (or bias): ``route_reference`` raises. The kernel routes such a token as
-if its logits were 0, gives it NaN weights (so the layer's output for it is NaN, never quietly
-wrong) and sets ``nonfinite[t] = 1``. ``check_finite=True`` reads that flag (one host sync) and
+NaN/Inf in the logits (or bias; for gpt_oss also a finite logit and bias whose sum overflows):
+``route_reference`` raises. The kernel routes such a token as if its logits were 0, gives it NaN
+weights (so the layer's output for it is NaN, never quietly wrong) and sets ``nonfinite[t] = 1``;
+with OEA it adds nothing to the batch's active set nor to ``exact_experts``, and its
+``kept_fraction`` (NaN) is left out of the batch mean, so the other tokens route and count as
+without it. ``check_finite=True`` reads that flag (one host sync) and
 raises ValueError naming the token; ``check_finite="async"`` raises through a device-side
 assertion (``torch._assert_async``), which does not synchronise and survives CUDA-graph capture.
 """
@@ -178,8 +181,9 @@ class OEAStats:
     kept_fraction: torch.Tensor  # fp32 [T]: chosen mass / exact top-k mass, per token (module docstring)
 
     def mean_kept_fraction(self) -> torch.Tensor:
-        """The batch's mean of ``kept_fraction`` (fp32 [], NaN for an empty batch)."""
-        return self.kept_fraction.mean()
+        """The batch's mean of ``kept_fraction`` over its finite tokens (fp32 [], NaN for an empty
+        batch or one of NaN/Inf tokens only)."""
+        return self.kept_fraction.nanmean()
 
     def summary(self) -> dict[str, float]:
         """The numbers a report wants, read from the device (one host sync): active_experts,
@@ -312,6 +316,11 @@ def route_reference(logits: torch.Tensor, routing: Routing, bias: torch.Tensor |
         raise ValueError(f"logits: NaN/Inf in router logits (first at token {t}, expert {e}: {x[t, e].item()})")
     if bias is not None and not bool(torch.isfinite(bias).all()):
         raise ValueError("bias: NaN/Inf in the routing bias")
+    if routing.kind == "gpt_oss" and bias is not None:
+        over = ~torch.isfinite(x + bias.to(torch.float32))
+        if bool(over.any()):
+            t, e = (int(v) for v in over.nonzero()[0])
+            raise ValueError(f"logits + bias: the selection score overflows fp32 (first at token {t}, expert {e})")
     T, E = x.shape
     k = routing.top_k
     sel, val, e_full = _scores_reference(x, routing, bias)
