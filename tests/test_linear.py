@@ -32,6 +32,8 @@ CPU_CASES = [
     Case(3, 64, 96, "odd M; K not a multiple of the 64-wide K tile"),
     Case(17, 40, 160, "M one past a 16-row tile; N not a multiple of the N tile"),
     Case(5, 32, 32, "K equal to one MXFP4 block (two NVFP4 blocks)"),
+    Case(3, 32, 16, "K equal to one NVFP4 block"),
+    Case(2, 48, 48, "K three NVFP4 blocks, not a multiple of 32 (NVFP4 only)"),
 ]
 
 
@@ -92,9 +94,27 @@ def test_static_input_global_scale(device):
 
 
 def test_m_zero_returns_empty(device):
-    x, w, _ = _problem(Case(1, 32, 64, ""), "nvfp4", device)
+    x, w, bias = _problem(Case(1, 32, 64, ""), "nvfp4", device)
     out = fp4_linear(x[:0], w)
     assert out.shape == (0, 32)
+    for mode in ("w4a16", "w4a4"):
+        assert fp4_linear(x[:0].reshape(0, 3, 64), w, bias, mode=mode).shape == (0, 3, 32)
+
+
+def test_k_zero_is_an_empty_sum(device):
+    w = fp4moe.quantize(torch.randn(32, 0), "nvfp4").to(device)
+    x = torch.randn(2, 3, 0, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(32, device=device, dtype=torch.bfloat16)
+    assert torch.equal(fp4_linear(x, w), torch.zeros(2, 3, 32, device=device, dtype=torch.bfloat16))
+    assert torch.equal(fp4_linear(x, w, bias), bias.expand(2, 3, 32))
+
+
+def test_non_contiguous_bias(device):
+    x, w, bias = _problem(Case(5, 48, 64, ""), "nvfp4", device)
+    strided = torch.stack([bias, -bias], dim=1)[:, 0]  # same values, stride 2
+    assert not strided.is_contiguous()
+    for cfg in (None, LinearConfig(16, 16, 64, 4, 2), LinearConfig(16, 16, 64, 4, 2, split_k=2)):
+        assert_close(fp4_linear(x, w, strided, config=cfg), fp4_linear_reference(x, w, bias))
 
 
 def test_bad_inputs(device):
@@ -114,6 +134,43 @@ def test_bad_inputs(device):
         fp4_linear(x, w, mode="w8a8", config=LinearConfig(16, 16, 64, 4, 2))
     with pytest.raises(ValueError, match="LinearConfig.block_n"):
         LinearConfig(24, 16, 64, 4, 2)
+    # the default path validates before the custom op rebuilds the weight
+    with pytest.raises(ValueError, match=r"w: expected a 2-D weight \[N, K\], got shape \(64,\)"):
+        fp4_linear(x, fp4moe.quantize(torch.randn(64)).to(device))
+    with pytest.raises(ValueError, match=r"w: expected a 2-D weight"):
+        fp4_linear(x, fp4moe.quantize_stacked(torch.randn(2, 32, 64)).to(device))
+    with pytest.raises(TypeError, match="x: expected a torch.Tensor, got list"):
+        fp4_linear([[1.0] * 64], w)
+    with pytest.raises(TypeError, match="bias: expected None or a torch.Tensor, got float"):
+        fp4_linear(x, w, 1.0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="input_global_scale: expected a positive finite value"):
+            fp4_linear(x, w, mode="w4a4", input_global_scale=bad)
+    with pytest.raises(TypeError, match=r"input_global_scale: expected .* one-element floating-point tensor, got \(2,\)"):
+        fp4_linear(x, w, mode="w4a4", input_global_scale=torch.ones(2, device=device))
+    with pytest.raises(TypeError, match="input_global_scale"):
+        fp4_linear(x, w, mode="w4a4", input_global_scale=torch.ones(1, dtype=torch.int32, device=device))
+
+
+def test_mixed_devices_are_refused(device):
+    x, w, bias = _problem(Case(2, 32, 64, ""), "nvfp4", device)
+    split = fp4moe.FP4Tensor(w.data, w.scales, w.global_scale.to("meta"), w.shape, w.fmt)
+    with pytest.raises(ValueError, match=r"w: its global_scale are on meta, its data on"):
+        fp4_linear(x, split, config=LinearConfig(16, 16, 64, 4, 2))
+    with pytest.raises(ValueError, match=r"x and w: expected the same device"):
+        fp4_linear(x.to("meta"), w, config=LinearConfig(16, 16, 64, 4, 2))
+    with pytest.raises(ValueError, match=r"bias: expected device"):
+        fp4_linear(x, w, bias.to("meta"), config=LinearConfig(16, 16, 64, 4, 2))
+    with pytest.raises(ValueError, match=r"input_global_scale: expected device"):
+        fp4_linear(x, w, mode="w4a4", input_global_scale=torch.ones(1, device="meta"),
+                   config=LinearConfig(16, 16, 64, 4, 2))
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    x, w, _ = _problem(Case(2, 32, 64, ""), "nvfp4", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="x: CPU tensors need TRITON_INTERPRET=1"):
+        fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
 
 
 def test_guard_catches_a_configuration_that_writes_garbage(device, monkeypatch):
@@ -137,6 +194,27 @@ def test_guard_catches_a_configuration_that_writes_garbage(device, monkeypatch):
         out = fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
     assert_close(out, fp4_linear_reference(x, w))  # the reference answered
     monkeypatch.setattr(lin, "launch_linear", real)
+
+
+@pytest.mark.parametrize("failure", ["nan", "off_by_10pct"])
+def test_guard_catches_nan_and_error_above_tolerance(device, monkeypatch, failure):
+    import fp4moe.ops.linear as lin
+
+    real = lin.launch_linear
+
+    def wrong(x2, xq, w, bias, out, path, config):
+        real(x2, xq, w, bias, out, path, config)
+        if failure == "nan":
+            out[0, 0] = float("nan")
+        else:
+            out.mul_(1.1)
+        return out
+
+    monkeypatch.setattr(lin, "launch_linear", wrong)
+    x, w, _ = _problem(Case(2, 32, 64, ""), "nvfp4", device)
+    why = "NaN/Inf" if failure == "nan" else "error above tolerance"
+    with pytest.raises(guard.GuardError, match=rf"fp4_linear\[w4a16,nvfp4,bfloat16\].*{why}"):
+        fp4_linear(x, w, config=LinearConfig(16, 16, 64, 4, 2))
 
 
 def test_heuristic_spreads_decode_over_the_sms():
@@ -364,6 +442,32 @@ def test_fp4linear_survives_dtype_conversion(device):
     assert layer.bias.dtype == torch.float16
     x = torch.randn(3, 64, device=device, dtype=torch.float16)
     assert_close(layer(x), fp4_linear_reference(x, after, layer.bias))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4linear_from_linear_without_bias_and_from_float64(device, fmt):
+    lin = torch.nn.Linear(64, 32, bias=False, dtype=torch.float64).to(device)
+    layer = FP4Linear.from_linear(lin, fmt)
+    assert layer.bias is None and layer.fmt.name == fmt
+    assert torch.equal(layer.weight_fp4.data, fp4moe.quantize(lin.weight.detach().float(), fmt).data)
+    x = torch.randn(3, 64, device=device, dtype=torch.bfloat16)
+    assert_close(layer(x), fp4_linear_reference(x, layer.weight_fp4))
+
+
+def test_fp4linear_bad_construction():
+    with pytest.raises(ValueError, match="linear: in_features must be a multiple of the nvfp4 block size 16, got 40"):
+        FP4Linear.from_linear(torch.nn.Linear(40, 32), "nvfp4")
+    with pytest.raises(ValueError, match="linear: in_features must be a multiple of the mxfp4 block size 32, got 48"):
+        FP4Linear.from_linear(torch.nn.Linear(48, 32), "mxfp4")
+    w = fp4moe.quantize(torch.randn(32, 64))
+    layer = FP4Linear.from_fp4(w, mode="w4a4", input_scale=0.01)  # a number, as checkpoints' configs give it
+    assert layer.input_scale.dtype == torch.float32 and layer.input_scale.shape == (1,)
+    assert float(layer.input_scale) == pytest.approx(0.01)
+    for bad in (0, -0.5, float("inf")):
+        with pytest.raises(ValueError, match="input_scale: expected a positive finite value"):
+            FP4Linear.from_fp4(w, mode="w4a4", input_scale=bad)
+    with pytest.raises(TypeError, match=r"input_scale: expected a number or a one-element"):
+        FP4Linear.from_fp4(w, mode="w4a4", input_scale=torch.ones(2))
 
 
 def test_per_row_global_is_refused_by_linear(device):

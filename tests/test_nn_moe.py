@@ -82,6 +82,107 @@ def test_block_checks_its_parts(device):
                shared_gate_up=FP4Linear(64, 64, device=device))
 
 
+def test_block_refuses_bad_parts_at_construction(device):
+    import fp4moe
+
+    block, x = _block(ROUTINGS[0], device, shared=False)
+    R, w13, w2 = block.router_weight, block.w13, block.w2
+    bad = [
+        (TypeError, r"w13: expected a stacked FP4Tensor \[E, N, K\].*FP4Tensor\(64, 64\)",
+         lambda: FP4MoE(R, fp4moe.quantize(torch.randn(64, 64)).to(device), w2, ROUTINGS[0])),
+        (ValueError, r"routing.top_k: expected 1..E=6, got 7", lambda: FP4MoE(R, w13, w2, Routing("softmax", top_k=7))),
+        (ValueError, r"routing.n_group: expected a divisor of E=6, got 4",
+         lambda: FP4MoE(R, w13, w2, Routing("sigmoid_bias", top_k=2, n_group=4))),
+        (ValueError, r"selection_bias: 'softmax' routing takes no bias",
+         lambda: FP4MoE(R, w13, w2, ROUTINGS[0], selection_bias=torch.zeros(6, device=device))),
+        (ValueError, r"selection_bias: expected shape \(6,\)",
+         lambda: FP4MoE(R, w13, w2, ROUTINGS[1], selection_bias=torch.zeros(5, device=device))),
+        (ValueError, r"k0: expected an int in 1..top_k=2, got True", lambda: FP4MoE(R, w13, w2, ROUTINGS[0], k0=True)),
+        (ValueError, r"mode: expected 'w4a16' or 'w4a4', got 'w8a8'", lambda: FP4MoE(R, w13, w2, ROUTINGS[0], mode="w8a8")),
+        (ValueError, r"activation: expected 'silu' or 'gpt_oss', got 'gelu'",
+         lambda: FP4MoE(R, w13, w2, ROUTINGS[0], activation="gelu")),
+        (ValueError, r"w13_bias: expected shape \(6, 64\)",
+         lambda: FP4MoE(R, w13, w2, ROUTINGS[0], w13_bias=torch.zeros(6, 32, device=device))),
+        (ValueError, r"check_finite: expected False, True or 'async'",
+         lambda: FP4MoE(R, w13, w2, ROUTINGS[0], check_finite="yes")),
+    ]
+    for exc, match, make in bad:
+        with pytest.raises(exc, match=match):
+            make()
+    mx13 = fp4moe.quantize_stacked(torch.randn(6, 64, 64), "mxfp4").to(device)
+    mx2 = fp4moe.quantize_stacked(torch.randn(6, 64, 32), "mxfp4").to(device)
+    with pytest.raises(ValueError, match="mode: 'w4a4' needs NVFP4 expert weights, got mxfp4"):
+        FP4MoE(R, mx13, mx2, ROUTINGS[0], mode="w4a4")
+    with pytest.raises(ValueError, match=r"x: expected \[\.\.\., 64\] \(hidden size 64\), got \(7, 32\)"):
+        block(x[:, :32])
+    with pytest.raises(TypeError, match="x: expected bfloat16 or float16, got torch.float32"):
+        block(x.float())
+
+
+def test_block_nan_router_logits(device):
+    block, x = _block(ROUTINGS[1], device, shared=False)
+    x = x.clone()
+    x[2] = float("nan")
+    out = block(x)  # default: the NaN token's row is NaN, the others are exact
+    assert bool(out[2].isnan().all()) and not bool(out[[0, 1, 3, 4, 5, 6]].isnan().any())
+    block.check_finite = True
+    with pytest.raises(ValueError, match="NaN/Inf in router logits at token 2"):
+        block(x)
+
+
+def test_block_state_dict_round_trip_and_dtype_moves(device):
+    a, x = _block(ROUTINGS[1], device, shared=True)
+    state = a.state_dict()
+    for name in ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight", "w2_weight_scale",
+                 "w2_weight_scale_2"):
+        assert name in state, sorted(state)
+    g = torch.Generator().manual_seed(9)  # other weights of the same shapes, then a's state loaded in place
+    b = FP4MoE.from_bf16(torch.randn(6, 64, generator=g).to(device=device, dtype=torch.bfloat16),
+                         torch.randn(6, 64, 64, generator=g).to(device), torch.randn(6, 64, 32, generator=g).to(device),
+                         ROUTINGS[1], shared_gate_up=torch.randn(64, 64, generator=g),
+                         shared_down=torch.randn(64, 32, generator=g), selection_bias=torch.zeros(6, device=device))
+    b.load_state_dict(state)
+    assert torch.equal(b(x), a(x))
+    h = a.to(torch.float16)  # the experts keep their FP4 dtypes
+    assert h.w13.data.dtype == torch.uint8 and h.w13.scales.dtype == torch.float8_e4m3fn
+    assert h.w13.global_scale.dtype == torch.float32 and h.router_weight.dtype == torch.float16
+
+
+LAYER_CASES = [
+    dict(id="w4a4", routing=Routing("sigmoid_bias", top_k=2, routed_scaling_factor=2.5), mode="w4a4"),
+    dict(id="mxfp4", routing=Routing("softmax", top_k=2), fmt="mxfp4"),
+    dict(id="gpt_oss_interleaved_biases", routing=Routing("gpt_oss", top_k=2), fmt="mxfp4", activation="gpt_oss",
+         interleaved=True, biases=True),
+    dict(id="top_k_1_one_token", routing=Routing("softmax", top_k=1), tokens=1),
+    dict(id="top_k_E", routing=Routing("softmax", top_k=6)),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: c["id"])
+def test_block_layer_variants_match_reference(case, device):
+    g = torch.Generator().manual_seed(21)
+    E, H, I, T = 6, 64, 32, case.get("tokens", 5)
+    kw = dict(mode=case.get("mode", "w4a16"), activation=case.get("activation", "silu"),
+              interleaved=case.get("interleaved", False))
+    if case.get("biases"):
+        kw["w13_bias"] = torch.randn(E, 2 * I, generator=g).to(device=device, dtype=torch.bfloat16)
+        kw["w2_bias"] = torch.randn(E, H, generator=g).to(device=device, dtype=torch.bfloat16)
+    if case["routing"].kind != "softmax":
+        kw["selection_bias"] = (torch.randn(E, generator=g) * 0.1).to(device)
+    block = FP4MoE.from_bf16(torch.randn(E, H, generator=g).to(device=device, dtype=torch.bfloat16),
+                             torch.randn(E, 2 * I, H, generator=g).to(device), torch.randn(E, H, I, generator=g).to(device),
+                             case["routing"], fmt=case.get("fmt", "nvfp4"), **kw)
+    x = torch.randn(T, H, generator=g).to(device=device, dtype=torch.bfloat16)
+    logits = torch.nn.functional.linear(x, block.router_weight)
+    r = route_reference(logits, block.routing, block.selection_bias)
+    ref = fp4_moe_reference(x, block.w13, block.w2, r.topk_ids, r.topk_weights, activation=block.activation,
+                            interleaved=block.interleaved, w13_bias=block.w13_bias, w2_bias=block.w2_bias,
+                            mode=block.mode)
+    problem = guard.compare(block(x), ref, TOLERANCES["fp4_moe"])
+    assert problem is None, problem
+    assert torch.equal(block(x), block(x))  # deterministic
+
+
 def test_block_with_no_tokens(device):
     block, x = _block(ROUTINGS[1], device, shared=True)
     assert block(x[:0]).shape == (0, 64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -10,6 +12,30 @@ from .ops.linear import Mode, fp4_linear
 from .quantize import FP4Tensor, quantize, quantize_stacked
 
 __all__ = ["FP4Linear", "FP4MoE", "GatedMLP"]
+
+
+def _input_scale(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A W4A4 static activation global scale as the one-element fp32 tensor the layer keeps: a
+    number is checked here (positive, finite); a tensor's value is not read (no host sync)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"input_scale: expected a positive finite value, got {value!r}")
+        return torch.tensor([float(value)], dtype=torch.float32, device=device)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        raise TypeError(f"input_scale: expected a number or a one-element floating-point tensor, got "
+                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+    return value.detach().to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _apply_keeping_dtypes(module: nn.Module, names: tuple[str, ...], fn, recurse: bool) -> None:
+    """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``), except that the buffers ``names``
+    (FP4 bytes, block scales, fp32 globals) keep their dtypes and only follow the device."""
+    kept = {name: module._buffers[name] for name in names if module._buffers.get(name) is not None}
+    nn.Module._apply(module, fn, recurse)
+    for name, old in kept.items():
+        new = module._buffers[name]
+        if new is not None and new.dtype != old.dtype:
+            module._buffers[name] = old.to(new.device)
 
 
 class FP4Linear(nn.Module):
@@ -42,12 +68,7 @@ class FP4Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` / ``.half()`` must not touch the FP4 buffers: keep their dtypes, follow the device."""
-        kept = {name: buf for name, buf in self._buffers.items() if buf is not None}
-        super()._apply(fn, recurse)
-        for name, old in kept.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != old.dtype:
-                self._buffers[name] = old.to(new.device)
+        _apply_keeping_dtypes(self, tuple(self._buffers), fn, recurse)
         if self.weight.is_cuda:
             # the packed kernels read the weight in MMA operand order (ops.linear.mma_packed): W4A16, and
             # W4A4 where the GPU has no FP4 MMA; pack it now, outside any CUDA graph capture
@@ -64,7 +85,7 @@ class FP4Linear(nn.Module):
 
     @classmethod
     def from_fp4(cls, weight: FP4Tensor, bias: torch.Tensor | None = None, *, mode: Mode = "w4a16",
-                 input_scale: torch.Tensor | None = None) -> FP4Linear:
+                 input_scale: torch.Tensor | float | None = None) -> FP4Linear:
         if not isinstance(weight, FP4Tensor) or len(weight.shape) != 2:
             raise TypeError(f"weight: expected a 2-D FP4Tensor, got {type(weight).__name__}")
         from .ops._runtime import check_weight_scale_range
@@ -80,7 +101,7 @@ class FP4Linear(nn.Module):
         if bias is not None:
             layer.bias.data.copy_(bias.detach())
         if input_scale is not None:
-            layer.input_scale = input_scale.detach().to(device=weight.device, dtype=torch.float32).reshape(1)
+            layer.input_scale = _input_scale(input_scale, weight.device)
         return layer
 
     @classmethod
@@ -88,7 +109,14 @@ class FP4Linear(nn.Module):
         """Quantize an ``nn.Linear`` (any float dtype) to FP4; the bias keeps the layer's dtype."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected torch.nn.Linear, got {type(linear).__name__}")
-        w = quantize(linear.weight.detach(), fmt)
+        block = get_format(fmt).block_size
+        if linear.in_features % block:
+            raise ValueError(f"linear: in_features must be a multiple of the {get_format(fmt)} block size {block}, "
+                             f"got {linear.in_features}")
+        weight = linear.weight.detach()
+        if weight.dtype == torch.float64:  # quantize takes float32 at most; FP4 keeps far less than float32
+            weight = weight.float()
+        w = quantize(weight, fmt)
         bias = linear.bias.detach() if linear.bias is not None else None
         if bias is not None and bias.dtype not in (torch.bfloat16, torch.float16):
             bias = bias.to(torch.bfloat16)
@@ -113,7 +141,14 @@ class FP4MoE(nn.Module):
     module ``x -> y``, e.g. a :class:`GatedMLP` whose gate and up carry different global scales).
     ``router_dtype`` is the dtype the router logits are computed in (default: x's; DeepSeek-V3 and
     GLM compute them in fp32). ``k0`` turns on opportunistic expert activation; ``last_stats``
-    then holds the OEA statistics of the last call.
+    then holds the OEA statistics of the last call. ``check_finite`` is routing's
+    (``ops.routing.route``): False (default) lets a token whose router logits hold NaN/Inf through
+    with a NaN output row; True raises ValueError naming the token (one host sync per call);
+    "async" raises through a device-side assertion (no sync, CUDA-graph capturable).
+
+    The experts are buffers (``w13_weight``, ``w13_weight_scale``, ``w13_weight_scale_2`` and the
+    same for ``w2``, ModelOpt's names), so they are in the state dict and follow ``.to()``
+    without changing dtype; ``w13`` and ``w2`` are FP4Tensor views of them.
     """
 
     def __init__(self, router_weight: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, routing, *,
@@ -121,14 +156,28 @@ class FP4MoE(nn.Module):
                  activation: str = "silu", interleaved: bool = False, w13_bias: torch.Tensor | None = None,
                  w2_bias: torch.Tensor | None = None, shared_gate_up: FP4Linear | None = None,
                  shared_down: FP4Linear | None = None, shared_expert: nn.Module | None = None,
-                 router_dtype: torch.dtype | None = None, mode: Mode = "w4a16", k0: int | None = None):
+                 router_dtype: torch.dtype | None = None, mode: Mode = "w4a16", k0: int | None = None,
+                 check_finite: bool | str = False):
         super().__init__()
-        from .ops.moe import check_moe_inputs
+        from .ops.moe import check_moe_extras, check_moe_inputs
+        from .ops.routing import _check as check_routing
 
+        for name, t in (("w13", w13), ("w2", w2)):
+            if not isinstance(t, FP4Tensor) or len(t.shape) != 3:
+                raise TypeError(f"{name}: expected a stacked FP4Tensor [E, N, K] (fp4moe.quantize_stacked), got "
+                                f"{type(t).__name__}{tuple(t.shape) if isinstance(t, FP4Tensor) else ''}")
+        if not isinstance(router_weight, torch.Tensor):
+            raise TypeError(f"router_weight: expected a torch.Tensor, got {type(router_weight).__name__}")
         E, two_i, H = w13.shape
         if router_weight.shape != (E, H):
             raise ValueError(f"router_weight: expected [{E}, {H}] (experts x hidden, from w13 {tuple(w13.shape)}), "
                              f"got {tuple(router_weight.shape)}")
+        # what routing checks on every call, checked now against this block's expert count
+        try:
+            check_routing(torch.empty(0, E, device=w13.device), routing, selection_bias, k0, kernel=False)
+        except (TypeError, ValueError) as e:  # routing calls it bias; here it is selection_bias
+            msg = str(e)
+            raise type(e)("selection_" + msg if msg.startswith("bias:") else msg) from None
         probe_ids = torch.zeros(1, routing.top_k, dtype=torch.int32, device=w13.device)
         check_moe_inputs(torch.zeros(1, H, dtype=torch.bfloat16, device=w13.device), w13, w2, probe_ids,
                          torch.zeros(1, routing.top_k, device=w13.device))
@@ -138,17 +187,30 @@ class FP4MoE(nn.Module):
             raise ValueError("shared_expert: give it or shared_gate_up/shared_down, not both")
         if router_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"router_dtype: expected None (x's dtype), float32, bfloat16 or float16, got {router_dtype}")
-        if k0 is not None and not 1 <= k0 <= routing.top_k:
-            raise ValueError(f"k0: expected 1..{routing.top_k}, got {k0}")
+        if mode not in ("w4a16", "w4a4"):
+            raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
+        if mode == "w4a4" and w13.fmt.name != "nvfp4":
+            raise ValueError(f"mode: 'w4a4' needs NVFP4 expert weights, got {w13.fmt}")
+        if activation not in ("silu", "gpt_oss"):
+            raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
+        if check_finite not in (False, True, "async"):
+            raise ValueError(f"check_finite: expected False, True or 'async', got {check_finite!r}")
+        check_moe_extras(torch.empty(0, H, device=w13.device), E, two_i // 2, H, w13_bias, w2_bias, None)
         from .ops._runtime import check_weight_scale_range
 
         check_weight_scale_range(w13, "w13")
         check_weight_scale_range(w2, "w2")
         self.routing, self.activation, self.interleaved, self.mode, self.k0 = routing, activation, interleaved, mode, k0
+        self.check_finite = check_finite
         self.register_buffer("router_weight", router_weight.detach())
         self.register_buffer("router_bias", None if router_bias is None else router_bias.detach())
         self.register_buffer("selection_bias", None if selection_bias is None else selection_bias.detach().float())
-        self.w13, self.w2 = w13, w2
+        self._fp4 = {}  # name -> (logical shape, format) of the stacked experts kept as buffers
+        for name, t in (("w13", w13), ("w2", w2)):
+            self.register_buffer(f"{name}_weight", t.data)
+            self.register_buffer(f"{name}_weight_scale", t.scales)
+            self.register_buffer(f"{name}_weight_scale_2", t.global_scale)
+            self._fp4[name] = (t.shape, t.fmt)
         self.register_buffer("w13_bias", w13_bias)
         self.register_buffer("w2_bias", w2_bias)
         self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
@@ -156,11 +218,24 @@ class FP4MoE(nn.Module):
         self.router_dtype = router_dtype
         self.last_stats = None
 
-    def _apply(self, fn, recurse=True):  # keep the FP4Tensors on the module's device
-        super()._apply(fn, recurse)
-        probe = fn(torch.zeros(1, device=self.w13.device))
-        if probe.device != self.w13.device:
-            self.w13, self.w2 = self.w13.to(probe.device), self.w2.to(probe.device)
+    def _stacked(self, name: str) -> FP4Tensor:
+        shape, fmt = self._fp4[name]
+        return FP4Tensor(data=self._buffers[f"{name}_weight"], scales=self._buffers[f"{name}_weight_scale"],
+                         global_scale=self._buffers[f"{name}_weight_scale_2"], shape=shape, fmt=fmt)
+
+    @property
+    def w13(self) -> FP4Tensor:
+        """The gate and up experts [E, 2I, H] (a view of the buffers)."""
+        return self._stacked("w13")
+
+    @property
+    def w2(self) -> FP4Tensor:
+        """The down experts [E, H, I] (a view of the buffers)."""
+        return self._stacked("w2")
+
+    def _apply(self, fn, recurse=True):
+        _apply_keeping_dtypes(self, tuple(f"{n}_weight{p}" for n in self._fp4 for p in ("", "_scale", "_scale_2")),
+                              fn, recurse)
         if self.w13.device.type == "cuda":
             # the packed kernels read the experts in MMA operand order (ops.moe.mma_packed_experts): W4A16,
             # and W4A4 where the GPU has no FP4 MMA; pack them now, outside any CUDA graph capture
@@ -200,12 +275,18 @@ class FP4MoE(nn.Module):
         from .ops.moe import moe_experts
         from .ops.routing import route
 
+        H = self._fp4["w2"][0][1]
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H:
+            raise ValueError(f"x: expected [..., {H}] (hidden size {H}), got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         rd = self.router_dtype or x2.dtype
         logits = torch.nn.functional.linear(x2.to(rd), self.router_weight.to(rd),
                                             None if self.router_bias is None else self.router_bias.to(rd))
-        r = route(logits, self.routing, self.selection_bias, k0=self.k0)
+        r = route(logits, self.routing, self.selection_bias, k0=self.k0, check_finite=self.check_finite)
         self.last_stats = r.stats
         y = moe_experts(x2, self.w13, self.w2, r.topk_ids, r.topk_weights, activation=self.activation,
                         interleaved=self.interleaved, w13_bias=self.w13_bias, w2_bias=self.w2_bias,

@@ -10,6 +10,7 @@ with a fake implementation, so torch.compile and CUDA graphs see a plain op) ->
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -201,6 +202,9 @@ def _check_inputs(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode
         raise ValueError("w: packed data and scales must be contiguous along K (call .contiguous())")
     if x.device != w.device:
         raise ValueError(f"x and w: expected the same device, got x on {x.device} and w on {w.device}")
+    for name, part in (("scales", w.scales), ("global_scale", w.global_scale)):
+        if part is not None and part.device != w.device:
+            raise ValueError(f"w: its {name} are on {part.device}, its data on {w.device}: expected one device")
     if x.device.type == "cpu" and not interpreting():
         raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter); move x and w to a CUDA device")
     if bias is not None:
@@ -208,6 +212,18 @@ def _check_inputs(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode
             raise ValueError(f"bias: expected shape ({w.shape[0]},), got {tuple(bias.shape)}")
         if bias.device != x.device:
             raise ValueError(f"bias: expected device {x.device}, got {bias.device}")
+
+
+def _check_input_global_scale(scale, x: torch.Tensor) -> None:
+    """W4A4's static activation global scale: a one-element floating-point tensor on x's device
+    (its value is not read here: no host sync on the hot path; numbers are checked by fp4_linear)."""
+    if scale is None:
+        return
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
+        raise TypeError(f"input_global_scale: expected None, a number or a one-element floating-point tensor, got "
+                        f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    if scale.device != x.device:
+        raise ValueError(f"input_global_scale: expected device {x.device}, got {scale.device}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,13 +305,19 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
              input_global_scale: torch.Tensor | None, config: LinearConfig | None) -> torch.Tensor:
     """Validate, choose path and configuration, guard on first use, launch."""
     _check_inputs(x, w, bias, mode)
+    _check_input_global_scale(input_global_scale, x)
     N, K = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0:
+    M = lead.numel()
+    if M == 0 or K == 0:  # an empty sum: zeros (+ bias)
+        out = torch.zeros((M, N), dtype=x.dtype, device=x.device)
+        if bias is not None and M:
+            out += bias.to(x.dtype)
         return out.reshape(*lead, N)
+    x2 = x.reshape(-1, K)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if bias is not None and not bias.is_contiguous():  # every kernel reads the bias with unit stride
+        bias = bias.contiguous()
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     arch = device_arch(x.device)
@@ -585,10 +607,19 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
     """
     if config is not None:
         return _forward(x, w, bias, mode, input_global_scale, config)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, FP4Tensor):
         raise TypeError(f"w: expected an FP4Tensor (fp4moe.quantize), got {type(w).__name__}")
-    if isinstance(input_global_scale, (int, float)):
+    if len(w.shape) != 2:
+        raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: expected None or a torch.Tensor, got {type(bias).__name__}")
+    if isinstance(input_global_scale, (int, float)) and not isinstance(input_global_scale, bool):
+        if not (math.isfinite(input_global_scale) and input_global_scale > 0):
+            raise ValueError(f"input_global_scale: expected a positive finite value, got {input_global_scale!r}")
         input_global_scale = torch.tensor([float(input_global_scale)], dtype=torch.float32, device=x.device)
+    _check_input_global_scale(input_global_scale, x)
     return _linear_op(x, w.data, w.scales, w.global_scale, w.shape[1], w.fmt.name, mode, bias, input_global_scale)
 
 

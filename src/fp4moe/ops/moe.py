@@ -214,7 +214,7 @@ def check_moe_inputs(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: t
     if tuple(w2.shape) != (E, H, I):
         raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} disagree: expected w2 of shape "
                          f"{(E, H, I)}")
-    if w13.fmt is not w2.fmt:
+    if w13.fmt != w2.fmt:
         raise ValueError(f"w13 and w2: expected the same format, got w13 {w13.fmt} and w2 {w2.fmt}")
     if x.dim() != 2 or x.shape[1] != H:
         raise ValueError(f"x: expected [T, {H}], got {tuple(x.shape)}")
