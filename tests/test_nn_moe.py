@@ -27,8 +27,8 @@ def _block(routing, device, shared: bool, k0=None):
     kw = {}
     if routing.kind == "sigmoid_bias":
         kw["selection_bias"] = (torch.randn(E, generator=g) * 0.1).to(device)
-    sgu = torch.randn(2 * I, H, generator=g) if shared else None
-    sd = torch.randn(H, I, generator=g) if shared else None
+    sgu = torch.randn(2 * I, H, generator=g).to(device) if shared else None
+    sd = torch.randn(H, I, generator=g).to(device) if shared else None
     block = FP4MoE.from_bf16(router, w13.to(device), w2.to(device), routing, shared_gate_up=sgu, shared_down=sd,
                              k0=k0, **kw)
     x = torch.randn(7, H, generator=g).to(device=device, dtype=torch.bfloat16)
@@ -139,8 +139,9 @@ def test_block_state_dict_round_trip_and_dtype_moves(device):
     g = torch.Generator().manual_seed(9)  # other weights of the same shapes, then a's state loaded in place
     b = FP4MoE.from_bf16(torch.randn(6, 64, generator=g).to(device=device, dtype=torch.bfloat16),
                          torch.randn(6, 64, 64, generator=g).to(device), torch.randn(6, 64, 32, generator=g).to(device),
-                         ROUTINGS[1], shared_gate_up=torch.randn(64, 64, generator=g),
-                         shared_down=torch.randn(64, 32, generator=g), selection_bias=torch.zeros(6, device=device))
+                         ROUTINGS[1], shared_gate_up=torch.randn(64, 64, generator=g).to(device),
+                         shared_down=torch.randn(64, 32, generator=g).to(device),
+                         selection_bias=torch.zeros(6, device=device))
     b.load_state_dict(state)
     assert torch.equal(b(x), a(x))
     h = a.to(torch.float16)  # the experts keep their FP4 dtypes
