@@ -150,6 +150,10 @@ def test_bad_inputs(device):
         fp4_moe_experts(x[:, :32], w13, w2, ids, wts)
     with pytest.raises(ValueError, match="activation"):
         fp4_moe_experts(x, w13, w2, ids, wts, activation="gelu")
+    with pytest.raises(TypeError, match="topk_ids: expected an integer tensor"):
+        fp4_moe_experts(x, w13, w2, ids.float(), wts)
+    with pytest.raises(TypeError, match="topk_weights: expected a floating-point tensor"):
+        fp4_moe_experts(x, w13, w2, ids, ids)
 
 
 # ------------------------------------------------------------------------------ GPU

@@ -288,6 +288,8 @@ def test_bad_inputs(device):
         route(x, replace(r, top_k=9))
     with pytest.raises(ValueError, match="routing.n_group: grouped top-k is implemented for 'sigmoid_bias' only"):
         route(x, Routing("softmax", top_k=2, n_group=2))
+    with pytest.raises(ValueError, match="routing.topk_group: grouped top-k is implemented for 'sigmoid_bias' only"):
+        route(x, Routing("gpt_oss", top_k=2, topk_group=2))
     with pytest.raises(ValueError, match="routing.routed_scaling_factor: expected 1.0 for 'gpt_oss'"):
         route(x, Routing("gpt_oss", top_k=2, routed_scaling_factor=2.0))
     with pytest.raises(ValueError, match="bias: 'softmax' routing takes no bias"):

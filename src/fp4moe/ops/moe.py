@@ -222,6 +222,10 @@ def check_moe_inputs(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: t
         raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids: expected [T={x.shape[0]}, k], got {tuple(topk_ids.shape)}")
+    if topk_ids.is_floating_point() or topk_ids.is_complex() or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids: expected an integer tensor (expert ids), got {topk_ids.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights: expected a floating-point tensor, got {topk_weights.dtype}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     for name, t in (("w13", w13.data), ("w2", w2.data), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):

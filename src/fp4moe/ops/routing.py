@@ -236,9 +236,10 @@ def _check(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None, k0
             raise ValueError(f"routing.top_k: expected <= topk_group * E / n_group = {tg * (E // ng)} "
                              f"(the experts of the kept groups), got {k}")
     else:
-        if routing.n_group != 1:
-            raise ValueError(f"routing.n_group: grouped top-k is implemented for 'sigmoid_bias' only; "
-                             f"expected 1 for {routing.kind!r}, got {routing.n_group}")
+        if routing.n_group != 1 or routing.topk_group != 1:
+            name, v = ("n_group", routing.n_group) if routing.n_group != 1 else ("topk_group", routing.topk_group)
+            raise ValueError(f"routing.{name}: grouped top-k is implemented for 'sigmoid_bias' only; "
+                             f"expected 1 for {routing.kind!r}, got {v}")
         if routing.routed_scaling_factor != 1.0:
             raise ValueError(f"routing.routed_scaling_factor: expected 1.0 for {routing.kind!r} "
                              f"(applied by 'sigmoid_bias' only), got {routing.routed_scaling_factor}")
