@@ -197,3 +197,12 @@ def test_mxfp4_scales_outside_the_decodable_range_are_refused(device):
     with pytest.raises(ValueError, match=r"weight: MXFP4 scale exponents span .* decodes -106..27"):
         FP4Linear.from_fp4(w)
     FP4Linear.from_fp4(fp4moe.quantize(torch.randn(32, 64), "mxfp4").to(device))  # ordinary weights are fine
+
+
+def test_block_traces_whole_under_torch_compile(device):
+    """The experts are rebuilt from buffers on every call: dynamo must trace that without a graph
+    break (aot_eager: no code generation, so it runs on CPU too; the GPU tests compile the ops)."""
+    block, x = _block(ROUTINGS[1], device, shared=True)
+    torch._dynamo.reset()
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(out, block(x))
