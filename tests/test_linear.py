@@ -89,8 +89,11 @@ def test_non_contiguous_x_and_fp16(device):
 def test_static_input_global_scale(device):
     x, w, _ = _problem(Case(3, 32, 64, ""), "nvfp4", device)
     gs = torch.tensor([0.01], device=device)
-    assert_close(fp4_linear(x, w, mode="w4a4", input_global_scale=gs),
-                 fp4_linear_reference(x, w, mode="w4a4", input_global_scale=gs))
+    ref = fp4_linear_reference(x, w, mode="w4a4", input_global_scale=gs)
+    assert_close(fp4_linear(x, w, mode="w4a4", input_global_scale=gs), ref)
+    for cfg in (None, LinearConfig(16, 16, 64, 4, 2)):  # a number works on both entry paths
+        assert torch.equal(fp4_linear(x, w, mode="w4a4", input_global_scale=0.01, config=cfg),
+                           fp4_linear(x, w, mode="w4a4", input_global_scale=gs, config=cfg))
 
 
 def test_m_zero_returns_empty(device):

@@ -147,6 +147,18 @@ def test_block_state_dict_round_trip_and_dtype_moves(device):
     h = a.to(torch.float16)  # the experts keep their FP4 dtypes
     assert h.w13.data.dtype == torch.uint8 and h.w13.scales.dtype == torch.float8_e4m3fn
     assert h.w13.global_scale.dtype == torch.float32 and h.router_weight.dtype == torch.float16
+    assert h.selection_bias.dtype == torch.float32  # selection runs on fp32 scores + bias
+
+
+def test_block_builds_under_a_float64_default_dtype(device):
+    block, x = _block(ROUTINGS[1], device, shared=False)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        again = FP4MoE(block.router_weight, block.w13, block.w2, block.routing, selection_bias=block.selection_bias)
+    finally:
+        torch.set_default_dtype(old)
+    assert torch.equal(again(x), block(x))
 
 
 LAYER_CASES = [

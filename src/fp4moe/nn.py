@@ -20,7 +20,7 @@ def _input_scale(value: torch.Tensor | float, device: torch.device) -> torch.Ten
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"input_scale: expected a positive finite value, got {value!r}")
-        return torch.tensor([float(value)], dtype=torch.float32, device=device)
+        return torch.full((1,), float(value), dtype=torch.float32, device=device)
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
         raise TypeError(f"input_scale: expected a number or a one-element floating-point tensor, got "
                         f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
@@ -174,9 +174,10 @@ class FP4MoE(nn.Module):
                              f"got {tuple(router_weight.shape)}")
         # what routing checks on every call, checked now against this block's expert count
         try:
-            check_routing(torch.empty(0, E, device=w13.device), routing, selection_bias, k0, kernel=False)
+            check_routing(torch.empty(0, E, dtype=torch.float32, device=w13.device), routing, selection_bias, k0,
+                          kernel=False)
         except (TypeError, ValueError) as e:  # routing calls it bias; here it is selection_bias
-            msg = str(e)
+            msg = str(e).replace("(that of logits)", "(that of w13)")
             raise type(e)("selection_" + msg if msg.startswith("bias:") else msg) from None
         probe_ids = torch.zeros(1, routing.top_k, dtype=torch.int32, device=w13.device)
         check_moe_inputs(torch.zeros(1, H, dtype=torch.bfloat16, device=w13.device), w13, w2, probe_ids,
@@ -234,8 +235,9 @@ class FP4MoE(nn.Module):
         return self._stacked("w2")
 
     def _apply(self, fn, recurse=True):
-        _apply_keeping_dtypes(self, tuple(f"{n}_weight{p}" for n in self._fp4 for p in ("", "_scale", "_scale_2")),
-                              fn, recurse)
+        # the experts' FP4 parts, and the fp32 selection bias (DeepSeek/GLM select on fp32 scores + bias)
+        _apply_keeping_dtypes(self, tuple(f"{n}_weight{p}" for n in self._fp4 for p in ("", "_scale", "_scale_2"))
+                              + ("selection_bias",), fn, recurse)
         if self.w13.device.type == "cuda":
             # the packed kernels read the experts in MMA operand order (ops.moe.mma_packed_experts): W4A16,
             # and W4A4 where the GPU has no FP4 MMA; pack them now, outside any CUDA graph capture

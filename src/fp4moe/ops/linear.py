@@ -605,6 +605,12 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
         input_global_scale: W4A4 only: a static activation global scale (fp32 one-element tensor,
             e.g. a checkpoint's ``input_scale``); None computes amax / (6 * 448) per call.
     """
+    if isinstance(input_global_scale, (int, float)) and not isinstance(input_global_scale, bool):
+        if not (math.isfinite(input_global_scale) and input_global_scale > 0):
+            raise ValueError(f"input_global_scale: expected a positive finite value, got {input_global_scale!r}")
+        # torch.full, not torch.tensor: no host-to-device copy (allowed under CUDA graph capture)
+        input_global_scale = torch.full((1,), float(input_global_scale), dtype=torch.float32,
+                                        device=x.device if isinstance(x, torch.Tensor) else None)
     if config is not None:
         return _forward(x, w, bias, mode, input_global_scale, config)
     if not isinstance(x, torch.Tensor):
@@ -615,10 +621,6 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
         raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias: expected None or a torch.Tensor, got {type(bias).__name__}")
-    if isinstance(input_global_scale, (int, float)) and not isinstance(input_global_scale, bool):
-        if not (math.isfinite(input_global_scale) and input_global_scale > 0):
-            raise ValueError(f"input_global_scale: expected a positive finite value, got {input_global_scale!r}")
-        input_global_scale = torch.tensor([float(input_global_scale)], dtype=torch.float32, device=x.device)
     _check_input_global_scale(input_global_scale, x)
     return _linear_op(x, w.data, w.scales, w.global_scale, w.shape[1], w.fmt.name, mode, bias, input_global_scale)
 

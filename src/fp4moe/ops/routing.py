@@ -176,7 +176,9 @@ class RoutingConfig:
 class OEAStats:
     """Per-call statistics of opportunistic expert activation (device tensors; reading them syncs)."""
 
-    active_experts: torch.Tensor  # int32 []: unique experts the OEA routing touches (= the active set)
+    # int32 []: unique experts the OEA routing touches (= the active set; a NaN/Inf token's own slots,
+    # experts 0..k0-1 by the tie rule, are left out: they serve no finite token)
+    active_experts: torch.Tensor
     exact_experts: torch.Tensor  # int32 []: unique experts exact top-k routing would touch
     kept_fraction: torch.Tensor  # fp32 [T]: chosen mass / exact top-k mass, per token (module docstring)
 
