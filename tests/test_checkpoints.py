@@ -482,9 +482,28 @@ def test_refuses_a_non_empty_out_dir_unless_overwrite(tmp_path):
     with pytest.raises(CheckpointError, match="exists and is not empty"):
         write_checkpoint(src, out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(CheckpointError, match="holds no config.json .not a checkpoint.: overwrite replaces"):
+        write_checkpoint(src, out, overwrite=True, progress=False)  # an arbitrary folder is never deleted
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "config.json").write_text("{}")  # an earlier checkpoint: replaced
     write_checkpoint(src, out, overwrite=True, progress=False)
     assert not (out / "keep.txt").exists() and (out / "hf_quant_config.json").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_never_replaces_a_folder_holding_the_source(tmp_path, monkeypatch):
+    src = save_model(tmp_path / "models" / "q", QWEN3_MOE, qwen3_moe_tensors())
+    (tmp_path / "models" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="contains the source model folder"):
+        write_checkpoint(src, tmp_path / "models", overwrite=True, progress=False)
+    assert (src / "config.json").exists()
+    with pytest.raises(CheckpointError, match=r"exclude pattern 're:\[': not a valid regular expression"):
+        write_checkpoint(src, tmp_path / "out", exclude=["re:["], progress=False)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    report = write_checkpoint(src, ".", progress=False)  # the current (empty) folder
+    assert report.out_dir == work.resolve() and (work / "hf_quant_config.json").exists()
 
 
 def test_a_failure_mid_write_leaves_nothing(tmp_path):

@@ -24,7 +24,7 @@ def quantize_command(
     exclude: Annotated[Optional[list[str]], typer.Option(
         "--exclude", help="Module pattern to keep in bf16 (fnmatch, or re:REGEX); repeat for more, "
                           "e.g. --exclude 'model.layers.*.self_attn*'.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT_DIR once the new checkpoint is complete.")]
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing checkpoint in OUT_DIR (a folder with a config.json) once the new one is complete.")]
     = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB, 500MB.")] = "5GB",
     progress: Annotated[bool, typer.Option(help="Show a progress bar on stderr.")] = True,

@@ -23,6 +23,7 @@ result equals, bit for bit, the checkpoint of the same model saved with per-expe
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -265,14 +266,21 @@ def _write_group(src: Checkpoint, group: _Group, writer: ShardWriter, fmt: Write
 
 
 def _check_out_dir(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
-    if out_dir.resolve() == model_dir.resolve():
+    src, out = model_dir.resolve(), out_dir.resolve()
+    if out == src:
         raise CheckpointError(f"{out_dir}: is the source model folder; write to another folder")
+    if out in src.parents:  # replacing it would delete the model being read
+        raise CheckpointError(f"{out_dir}: contains the source model folder {model_dir}; write to another folder")
     if out_dir.exists():
         if not out_dir.is_dir():
             raise CheckpointError(f"{out_dir}: exists and is not a folder")
-        if any(out_dir.iterdir()) and not overwrite:
-            raise CheckpointError(f"{out_dir}: exists and is not empty; pass overwrite=True (--overwrite) to "
-                                  "replace it")
+        if any(out_dir.iterdir()):
+            if not overwrite:
+                raise CheckpointError(f"{out_dir}: exists and is not empty; pass overwrite=True (--overwrite) to "
+                                      "replace it")
+            if not (out_dir / "config.json").is_file():  # replace checkpoints only, never an arbitrary folder
+                raise CheckpointError(f"{out_dir}: is not empty and holds no config.json (not a checkpoint): "
+                                      "overwrite replaces checkpoint folders only; empty it or choose another")
 
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
@@ -331,6 +339,13 @@ def write_checkpoint(
         raise CheckpointError(f"max_shard_bytes: {err}") from None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_out_dir(model_dir, out_dir, overwrite)
+    out_dir = out_dir.resolve()  # "." or "x/..": the temporary and old folders are named after it
+    for pattern in exclude:
+        if isinstance(pattern, str) and pattern.startswith("re:"):
+            try:
+                re.compile(pattern[3:])
+            except re.error as err:
+                raise CheckpointError(f"exclude pattern {pattern!r}: not a valid regular expression ({err})") from None
 
     with Checkpoint(model_dir) as src:
         if src.format != "bf16":
