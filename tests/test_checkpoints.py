@@ -733,6 +733,11 @@ def test_unsupported_quant_algo(tmp_path, algo):
         "weights": {"num_bits": 4, "type": "float", "group_size": 16},
         "input_activations": {"num_bits": 8, "type": "float"}}}},
      r"input_activations num_bits 8 type 'float' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "weights": {"num_bits": 4, "type": "float", "group_size": 16}, "input_activations": True}}},
+     r"config_groups\.group_0\.input_activations: expected an object, found True"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": {
+        "weights": [1]}}}, r"config_groups\.group_0\.weights: expected an object, found \[1\]"),
 ])
 def test_unsupported_quantization_configs(tmp_path, qc, error):
     save_model(tmp_path / "m", {"model_type": "x", "quantization_config": qc}, {"a.weight": torch.zeros(2, 16)})

@@ -77,3 +77,15 @@ def test_hf_config_errors(tmp_path):
     (tmp_path / "config.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
         from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xd0\xff")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        from_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, expected an object"):
+        from_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="not a MoE model"):
+        from_hf_config(_write(tmp_path, {"model_type": "x", "text_config": None}))
+    moe = {"model_type": "qwen3_moe", "num_experts": 8, "hidden_size": 64, "moe_intermediate_size": "x",
+           "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match=r"config\.json': invalid literal for int\(\)"):
+        from_hf_config(_write(tmp_path, moe))

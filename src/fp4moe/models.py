@@ -121,9 +121,13 @@ def from_hf_config(path: str | Path) -> MoEModel:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
         raise ValueError(f"config: no such file {str(p)!r}") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"config: {str(p)!r} is not valid JSON ({err})") from None
-    cfg = cfg.get("text_config", cfg)  # multimodal wrappers
+    if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]  # multimodal wrappers
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config: {str(p)!r} holds a JSON {type(cfg).__name__}, expected an object "
+                         "(a Hugging Face config.json)")
     model_type = str(cfg.get("model_type", "unknown"))
     n_experts = _first(cfg, "n_routed_experts", "num_experts", "num_local_experts")
     if not n_experts:
@@ -136,6 +140,13 @@ def from_hf_config(path: str | Path) -> MoEModel:
                               ("num_experts_per_tok", top_k)) if not v]
     if missing:
         raise ValueError(f"config: {str(p)!r} lacks {', '.join(missing)}")
+    try:
+        return _model_from_config(cfg, model_type, n_experts, hidden, inter, top_k)
+    except (TypeError, ValueError) as err:  # a value of the wrong type or range: name the file
+        raise ValueError(f"config: {str(p)!r}: {err}") from None
+
+
+def _model_from_config(cfg: dict, model_type: str, n_experts, hidden, inter, top_k) -> MoEModel:
     if model_type.startswith("gpt_oss"):
         routing = Routing("gpt_oss", top_k=int(top_k))
         fmt = "mxfp4"

@@ -83,13 +83,16 @@ def _compressed_tensors(qc: dict, where: str) -> Scheme:
             raise CheckpointError(f"{gwhere}: expected an object, found {group!r}")
         fmt = group.get("format") or qc.get("format")
         w = group.get("weights") or {}
+        act = group.get("input_activations")
+        for key, v in (("weights", w), ("input_activations", act)):
+            if v is not None and not isinstance(v, dict):
+                raise CheckpointError(f"{gwhere}.{key}: expected an object, found {v!r}")
         found = (f"format {fmt!r}, weights num_bits {w.get('num_bits')!r} type {w.get('type')!r} "
                  f"group_size {w.get('group_size')!r}")
         if fmt != CT_FORMAT or w.get("num_bits") != 4 or w.get("type") != "float":
             raise CheckpointError(f"{gwhere}: {found} is not supported; fp4moe reads compressed-tensors "
                                   f"{CT_FORMAT!r} (4-bit float weights, groups of 16) (supported: {_SUPPORTED})")
         _group_size(w.get("group_size"), gwhere)
-        act = group.get("input_activations")
         if act is not None and (act.get("num_bits") != 4 or act.get("type") != "float"):
             raise CheckpointError(f"{gwhere}: input_activations num_bits {act.get('num_bits')!r} type "
                                   f"{act.get('type')!r} is not supported; expected 4-bit float (W4A4) or null (W4A16)")
