@@ -505,3 +505,22 @@ def test_sustained_rates_are_the_measured_fractions_of_the_datasheet():
     assert 700 < GPU.sustained_tflops(h200.bf16_dense_tflops) < 720
     pro = find_gpu("rtx pro 6000")
     assert pro.sustained_bandwidth_gbs < pro.mem_bandwidth_gbs and GPU.sustained_tflops(1.0) < 1.0
+
+
+@pytest.mark.parametrize("text", ["h100 pcie", "NVIDIA H100 PCIe", "H100 NVL", "NVIDIA A100-PCIE-40GB",
+                                  "A100-SXM4-40GB", "h200 nvl"])
+def test_find_gpu_refuses_uncatalogued_variants(text):
+    """A PCIe / NVL card or another memory size has other bandwidth and peaks than the catalogued
+    product: planning on the SXM numbers would be silently wrong."""
+    with pytest.raises(ValueError, match=r"names a variant .* which the catalogue does not hold.*--arch sm"):
+        find_gpu(text, strict=True)
+    with pytest.raises(ValueError, match=r"names a variant"):
+        resolve_target(gpu=text)
+    assert find_gpu(text).name in ("H100", "A100", "H200")  # by name, as detection reads torch's names
+
+
+def test_find_gpu_suggests_close_names():
+    with pytest.raises(ValueError, match=r"matches no catalogued GPU \(did you mean H200"):
+        find_gpu("h2000")
+    assert find_gpu("NVIDIA H100 80GB HBM3", strict=True).name == "H100"  # torch's name for the catalogued part
+    assert find_gpu("gb300 nvl72", strict=True).name == "GB300"

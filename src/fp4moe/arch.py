@@ -23,6 +23,7 @@ Nothing happens at import time beyond building the frozen tables.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -593,26 +594,49 @@ def _known_gpus() -> str:
     return ", ".join(GPUS)
 
 
-def find_gpu(text: str) -> GPU:
+def find_gpu(text: str, *, strict: bool = False) -> GPU:
     """The catalogue GPU named by ``text``: a user spelling or a torch device name.
 
     Case, spaces and dashes do not matter ("RTX-PRO-6000", "rtx pro 6000",
     "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"). When several products match,
-    the one whose matching alias is longest wins; an exact tie raises.
+    the one whose matching alias is longest wins; an exact tie raises. A variant matches its
+    catalogued product by name ("NVIDIA H100 PCIe" -> H100; ``compare`` then reports what
+    differs); ``strict`` (planning for a named target) refuses it instead: another form factor
+    ("pcie", "nvl") or memory size has other bandwidth and peaks.
     """
     if not isinstance(text, str) or not _tokens(text):
         raise ValueError(f"find_gpu: argument 'text' must name a GPU; received {text!r}; known GPUs: {_known_gpus()}")
     scored = [(gpu.match_length(text), gpu) for gpu in _GPU_LIST]
     best = max(score for score, _ in scored)
     if best == 0:
-        raise ValueError(
-            f"find_gpu: argument 'text' received {text!r}, which matches no catalogued GPU; known GPUs: {_known_gpus()}"
-        )
+        spellings = {"".join(_tokens(a)): g.name for g in _GPU_LIST for a in (g.name, *g.aliases)}
+        close = difflib.get_close_matches("".join(_tokens(text)), list(spellings), n=3, cutoff=0.6)
+        hint = f" (did you mean {', '.join(dict.fromkeys(spellings[c] for c in close))}?)" if close else ""
+        raise ValueError(f"find_gpu: argument 'text' received {text!r}, which matches no catalogued GPU{hint}; "
+                         f"known GPUs: {_known_gpus()}")
     winners = [gpu for score, gpu in scored if score == best]
     if len(winners) > 1:
         names = ", ".join(g.name for g in winners)
         raise ValueError(f"find_gpu: {text!r} is ambiguous between {names}; spell it out")
-    return winners[0]
+    gpu = winners[0]
+    if not strict:
+        return gpu
+    # a form factor or memory size the catalogue entry is not: its bandwidth and peaks differ
+    own = {t for a in (gpu.name, *gpu.aliases) for t in _tokens(a)}
+    for tok in _tokens(text):
+        size = re.fullmatch(r"(\d+)gb", tok)
+        if (tok in _VARIANT_TOKENS and tok not in own) or (
+                size and abs(int(size[1]) - gpu.memory_gib) > _MEMORY_TOLERANCE * gpu.memory_gib):
+            raise ValueError(
+                f"find_gpu: {text!r} names a variant ({tok!r}) of the catalogued {gpu.name} "
+                f"({gpu.memory_gib:g} GB, {gpu.mem_bandwidth_gbs:,} GB/s), which the catalogue does not hold; its "
+                f"bandwidth and peaks differ, so plans would be modelled on the wrong numbers: use --arch "
+                f"{gpu.arch.name} to plan for the architecture alone")
+    return gpu
+
+
+#: name words that mark a form factor other than the catalogued (SXM / board) product
+_VARIANT_TOKENS = frozenset({"pcie", "nvl"})
 
 
 def resolve_target(gpu: str | None = None, arch: str | None = None) -> tuple[Arch, GPU | None]:
@@ -625,7 +649,7 @@ def resolve_target(gpu: str | None = None, arch: str | None = None) -> tuple[Arc
             f"resolve_target: give exactly one of gpu= or arch=; received gpu={gpu!r}, arch={arch!r}"
         )
     if gpu is not None:
-        product = find_gpu(gpu)
+        product = find_gpu(gpu, strict=True)
         return product.arch, product
     assert arch is not None
     return get_arch(arch), None

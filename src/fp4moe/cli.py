@@ -82,7 +82,7 @@ def info(
     detected = arch.detect()
     if gpu is not None:
         try:
-            entry: arch.GPU | None = arch.find_gpu(gpu)
+            entry: arch.GPU | None = arch.find_gpu(gpu, strict=True)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--gpu") from None
     else:

@@ -214,7 +214,7 @@ def _verdict_line(v: Verdict) -> str:
 
 
 def _resolve(arch: str | int | tuple[int, int] | Arch | None, gpu: str | GPU | None) -> tuple[Arch, GPU]:
-    product = find_gpu(gpu) if isinstance(gpu, str) else gpu
+    product = find_gpu(gpu, strict=True) if isinstance(gpu, str) else gpu
     if arch is None:
         if product is None:
             raise ValueError("plan: give an arch (e.g. 'sm120') or a gpu (e.g. 'rtx pro 6000')")
