@@ -89,3 +89,13 @@ def test_hf_config_errors(tmp_path):
            "num_experts_per_tok": 2}
     with pytest.raises(ValueError, match=r"config\.json': invalid literal for int\(\)"):
         from_hf_config(_write(tmp_path, moe))
+
+
+def test_tp_that_breaks_the_block_size_is_named():
+    from fp4moe.models import fp4_linear_ops
+
+    qwen = get_model("qwen3-30b-a3b")
+    with pytest.raises(ValueError, match=r"tp: 64 leaves 12 of .* expert intermediate 768 per GPU, not a multiple of "
+                                         r"the nvfp4 block size 16"):
+        fp4_linear_ops(qwen, 16, tp=64)
+    assert fp4_linear_ops(qwen, 16, tp=8)[1].K == 96

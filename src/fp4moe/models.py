@@ -197,6 +197,13 @@ def fp4_linear_ops(model: MoEModel, tokens: int, *, tp: int = 1, ep: int = 1) ->
     if model.n_experts % ep:
         raise ValueError(f"ep: {model.name}'s {model.n_experts} experts are not divisible by {ep}")
     H, inter = model.hidden, model.expert_intermediate // tp
+    block = 16 if model.fmt == "nvfp4" else 32  # the format's block: every FP4 GEMM's K is a multiple of it
+    if H % block:
+        raise ValueError(f"{model.name}: hidden size {H} is not a multiple of the {model.fmt} block size {block} "
+                         "(the K of the gate/up projections)")
+    if inter % block:
+        raise ValueError(f"tp: {tp} leaves {inter} of {model.name}'s expert intermediate {model.expert_intermediate} "
+                         f"per GPU, not a multiple of the {model.fmt} block size {block} (the K of the down projection)")
     local = model.n_experts // ep
     routed = tokens * model.routing.top_k
     per_expert = max(1, -(-routed // model.n_experts))
