@@ -506,6 +506,19 @@ def test_never_replaces_a_folder_holding_the_source(tmp_path, monkeypatch):
     assert report.out_dir == work.resolve() and (work / "hf_quant_config.json").exists()
 
 
+def test_an_expert_of_another_dtype_is_refused_before_writing(tmp_path):
+    tensors = qwen3_moe_tensors()
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    tensors[name] = tensors[name].double()  # not quantizable: the block would be written half quantized
+    src = save_model(tmp_path / "q", QWEN3_MOE, tensors)
+    written = []
+    with pytest.raises(CheckpointError, match=r"experts\.3\.down_proj would stay unquantized \(dtype F64 is not "
+                                              r"bf16/fp16/fp32\) while other experts of model\.layers\.1\.mlp\.experts"):
+        write_checkpoint(src, tmp_path / "out", progress=False, on_group=written.append)
+    assert written == [] and not (tmp_path / "out").exists()
+    write_checkpoint(src, tmp_path / "out", exclude=["model.layers.1.mlp.experts"], progress=False)  # as it says
+
+
 def test_a_failure_mid_write_leaves_nothing(tmp_path):
     tensors = qwen3_moe_tensors()
     tensors["model.layers.1.mlp.experts.3.down_proj.weight"][0, 5] = float("nan")  # found late in the write

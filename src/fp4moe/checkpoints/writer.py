@@ -196,6 +196,24 @@ def _plan(src: Checkpoint, fmt: WriteFormat, exclude: Sequence[str]) -> tuple[li
     return groups, kept
 
 
+def _expert_block(module: str) -> str | None:
+    """'model.layers.0.mlp.experts' for any module of that block's routed experts, else None."""
+    head, sep, _ = module.partition(".experts.")
+    return head + ".experts" if sep else None
+
+
+def _check_experts_agree(model_dir: Path, groups: list[_Group], kept: dict[str, str]) -> None:
+    """Refuse, before writing anything, a block whose experts would be written partly quantized
+    (readers refuse such a block; found only after the write, it cost the whole run)."""
+    quantized = {_expert_block(module_of(g.source.name)) for g in groups if g.quantized}
+    for module, why in kept.items():
+        block = _expert_block(module)
+        if block is not None and block in quantized:
+            raise CheckpointError(f"{model_dir}: {module} would stay unquantized ({why}) while other experts of "
+                                  f"{block} are quantized; an MoE block's experts must share one format (store "
+                                  f"them all as bf16/fp16/fp32, or exclude the whole block: --exclude '{block}')")
+
+
 def _shard(groups: list[_Group], max_bytes: int) -> list[list[_Group]]:
     """Greedy: a group never straddles shards; a group above ``max_bytes`` gets a shard of its own."""
     shards: list[list[_Group]] = [[]]
@@ -357,6 +375,7 @@ def write_checkpoint(
                 raise CheckpointError(f"exclude pattern {pattern!r} matches no module of {model_dir} "
                                       "(fnmatch wildcards over module names, e.g. 'model.layers.*.self_attn*')")
         groups, kept = _plan(src, format, exclude)
+        _check_experts_agree(model_dir, groups, kept)
         if not any(g.quantized for g in groups):
             reasons = sorted(set(kept.values())) or ["no 2-D weights"]
             raise CheckpointError(f"{model_dir}: no tensor to quantize (2-D Linear projection weights whose K is a "
