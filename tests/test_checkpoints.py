@@ -891,6 +891,15 @@ def test_index_that_is_not_json(tmp_path):
         Checkpoint(out)
 
 
+@pytest.mark.parametrize("weight_map,error", [({}, "its weight_map lists no tensor"),
+                                               ({"x": 5}, r"found the entry 'x': 5 \(shard names are strings\)")])
+def test_index_with_an_empty_or_bad_weight_map(tmp_path, weight_map, error):
+    out = _sharded(tmp_path)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=rf"index\.json: .*{error}"):
+        Checkpoint(out)
+
+
 def test_pickle_only_folder(tmp_path):
     folder = tmp_path / "p"
     folder.mkdir()

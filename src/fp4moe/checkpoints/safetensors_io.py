@@ -239,8 +239,14 @@ class ShardSet:
             raise CheckpointError(f"{index}: not valid JSON ({err})") from None
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            bad = next((f"{k!r}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)), None) \
+                if isinstance(weight_map, dict) else None
+            found = (f"the entry {bad} (shard names are strings)" if bad else
+                     type(weight_map).__name__ if isinstance(doc, dict) else type(doc).__name__)
             raise CheckpointError(f"{index}: expected an object with \"weight_map\": {{tensor: shard file}}, "
-                                  f"found {type(weight_map).__name__ if isinstance(doc, dict) else type(doc).__name__}")
+                                  f"found {found}")
+        if not weight_map:
+            raise CheckpointError(f"{index}: its weight_map lists no tensor")
         root = self.folder.resolve()
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():

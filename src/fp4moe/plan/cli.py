@@ -260,6 +260,7 @@ def plan_command(
     except ValueError:
         raise typer.BadParameter(f"expected positive integers separated by commas, got {tokens!r}",
                                  param_hint="--tokens") from None
+    mode = mode.lower()
     if mode not in ("w4a16", "w4a4"):
         raise typer.BadParameter(f"expected w4a16 or w4a4, got {mode!r}", param_hint="--mode")
     console = Console(stderr=as_json)
