@@ -80,3 +80,14 @@ def test_plan_bad_input():
     assert gpu.exit_code != 0 and "voodoo" in gpu.output and "RTX PRO 6000" in gpu.output
     tp = runner.invoke(app, ["plan", "--arch", "sm90", "--model", "glm-5", "--tp", "7"])
     assert tp.exit_code != 0 and "not divisible by 7" in tp.output
+
+
+def test_demo_refuses_e2e_options_without_e2e():
+    result = runner.invoke(app, ["demo", "--family", "gpt_oss", "--timing"])
+    assert result.exit_code == 2
+    assert "--family, --timing apply to --e2e only" in " ".join(result.output.split())
+
+
+def test_gpus_table_is_not_squeezed_in_a_pipe():
+    result = runner.invoke(app, ["gpus"])  # CliRunner's output is not a terminal
+    assert result.exit_code == 0 and "smem/block (opt-in)" in result.output

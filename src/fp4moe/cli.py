@@ -129,7 +129,8 @@ def gpus(as_json: JsonFlag = False) -> None:
         table.add_row(g.name, g.arch.name, str(g.sm_count), f"{g.arch.smem_per_block_optin:,} B",
                       f"{g.mem_bandwidth_gbs:,.0f}", f"{g.bf16_dense_tflops:,.0f}",
                       "—" if g.fp4_dense_tflops is None else f"{g.fp4_dense_tflops:,.0f}", g.arch.fp4_mma)
-    console.print(table)
+    # a log or a pipe: do not squeeze the table into 80 columns (as plan does)
+    (console if console.is_terminal else Console(width=170)).print(table)
 
 
 @app.command()
@@ -155,6 +156,12 @@ def demo(
     if e2e:
         _demo_e2e(family, size, fmt, new_tokens, timing, workdir, seed, as_json)
         return
+    e2e_only = {"--family": family != "qwen3_moe", "--size": size != "tiny", "--format": fmt != "modelopt",
+                "--new-tokens": new_tokens != 8, "--timing": timing, "--workdir": workdir is not None}
+    given = [name for name, differs in e2e_only.items() if differs]
+    if given:
+        raise typer.BadParameter(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --e2e only "
+                                 "(add --e2e)", param_hint=given[0])
     import torch
 
     from .quantize import dequantize, quantize
