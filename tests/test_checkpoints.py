@@ -681,6 +681,20 @@ def test_hand_built_modelopt_checkpoint_reads(tmp_path):
         assert float(ckpt.linear("model.layers.0.mlp.experts.0.up_proj").input_global_scale) == pytest.approx(0.01)
 
 
+def test_modelopt_files_that_disagree_on_the_algorithm(tmp_path):
+    folder = modelopt_folder(tmp_path / "m", modelopt_tensors(), "W4A16_NVFP4")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"says quant_algo 'W4A16_NVFP4' but config\.json quantization_config "
+                                              r"says 'NVFP4'; which one is it\?"):
+        Checkpoint(folder)
+    config["quantization_config"]["quant_algo"] = "w4a16_nvfp4"  # the same algorithm, another case: fine
+    (folder / "config.json").write_text(json.dumps(config))
+    with Checkpoint(folder) as ckpt:
+        assert ckpt.quant_algo == "W4A16_NVFP4"
+
+
 E = "model.layers.0.mlp.experts"
 BAD_TENSORS = [
     # (why, mutation of the tensor dict, error pattern)

@@ -118,6 +118,12 @@ def detect_scheme(folder: Path, config: dict) -> Scheme:
         q = doc.get("quantization")
         if not isinstance(q, dict):
             raise CheckpointError(f"{hf_quant}: expected a \"quantization\" object with quant_algo, found {q!r}")
+        if isinstance(qc, dict):  # both files name the algorithm: they must agree (W4A4 or weight-only)
+            inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
+            theirs, ours = inner.get("quant_algo"), q.get("quant_algo")
+            if theirs is not None and ours is not None and str(theirs).upper() != str(ours).upper():
+                raise CheckpointError(f"{folder}: {HF_QUANT_CONFIG} says quant_algo {ours!r} but config.json "
+                                      f"quantization_config says {theirs!r}; which one is it?")
         return _modelopt(q, f"{hf_quant}: quantization", "exclude_modules")
     if qc is None:
         return Scheme("bf16", None, False, (), f"{folder / 'config.json'} (no quantization_config)")
