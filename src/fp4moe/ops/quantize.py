@@ -63,6 +63,10 @@ class QuantizeConfig:
         if self.maxnreg is not None and not (isinstance(self.maxnreg, int) and 16 <= self.maxnreg <= 255):
             raise ValueError(f"maxnreg: expected None or an int in [16, 255], got {self.maxnreg!r}")
 
+    def __str__(self) -> str:  # tables and guard keys: "quant_m1_k1024_w1" (+ "_r64" with a register cap)
+        cap = f"_r{self.maxnreg}" if self.maxnreg is not None else ""
+        return f"quant_m{self.block_m}_k{self.block_k}_w{self.num_warps}{cap}"
+
     @classmethod
     def from_heuristic(cls, M: int, K: int, dtype: torch.dtype = torch.bfloat16) -> QuantizeConfig:
         """1024 elements per program: one warp, 32 elements per thread, 64 registers at most for
@@ -298,6 +302,9 @@ class DequantizeConfig:
 
     def __post_init__(self) -> None:
         _check_elementwise_tile("block_k", self.block_k, self.num_warps)
+
+    def __str__(self) -> str:  # the plan's configuration column
+        return f"dequant_k{self.block_k}_w{self.num_warps}"
 
 
 def _check_elementwise_tile(name: str, size: int, num_warps: int) -> None:

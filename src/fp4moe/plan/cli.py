@@ -302,7 +302,8 @@ def plan_command(
         proof = "" if row["proven"] else " (model)"
         mma = short_mma(row["mma"])
         table.add_row(str(t), name, shape, row["config"], f"{shared:,} / {limit:,} B{proof}", str(row["registers"] or "—"),
-                      mma, f"{row['modelled_us']:.1f}", f"{row['fraction_of_peak']:.0%}")
+                      mma, f"{row['modelled_us']:.1f}",
+                      "<1%" if row['fraction_of_peak'] < 0.005 else f"{row['fraction_of_peak']:.0%}")
     console.print(table)
     if explain:
         for *_, r in planned:
@@ -310,4 +311,4 @@ def plan_command(
     else:
         console.print("breakdown of the first row: " + (rows[0].get("breakdown") or "—"), highlight=False,
                       markup=False)
-    console.print(f"planned {len(rows)} GEMMs in {seconds:.1f} s", highlight=False)
+    console.print(f"planned {len(rows)} kernels in {seconds:.1f} s", highlight=False)
