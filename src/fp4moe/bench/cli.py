@@ -110,7 +110,7 @@ def linear(
     shapes: Annotated[Optional[str], typer.Option(
         help="Weight shapes NxK, e.g. 12288x6144,4096x6144 (default: the GLM-5 shapes).")] = None,
     modes: Annotated[str, typer.Option(help="Modes: w4a16 (bf16 activations), w4a4 (FP4 activations).")] = "w4a16,w4a4",
-    fmt: Annotated[str, typer.Option(help="Weight format: nvfp4 or mxfp4.")] = "nvfp4",
+    fmt: Annotated[str, typer.Option("--fmt", "--format", help="Weight format: nvfp4 or mxfp4.")] = "nvfp4",
     out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
     quick: Annotated[bool, typer.Option(help="Fewer M and repetitions; writes linear-quick-<gpu>.* instead.")] = False,
 ) -> None:
