@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from .formats import FP4Format, get_format
-from .ops.linear import Mode, fp4_linear
+from .ops.linear import Mode, fp4_linear, global_scale_tensor
 from .quantize import FP4Tensor, quantize, quantize_stacked
 
 __all__ = ["FP4Linear", "FP4MoE", "GatedMLP"]
-
-
-def _input_scale(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    """A W4A4 static activation global scale as the one-element fp32 tensor the layer keeps: a
-    number is checked here (positive, finite); a tensor's value is not read (no host sync)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"input_scale: expected a positive finite value, got {value!r}")
-        return torch.full((1,), float(value), dtype=torch.float32, device=device)
-    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
-        raise TypeError(f"input_scale: expected a number or a one-element floating-point tensor, got "
-                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
-    return value.detach().to(device=device, dtype=torch.float32).reshape(1)
 
 
 def _apply_keeping_dtypes(module: nn.Module, names: tuple[str, ...], fn, recurse: bool) -> None:
@@ -101,7 +86,7 @@ class FP4Linear(nn.Module):
         if bias is not None:
             layer.bias.data.copy_(bias.detach())
         if input_scale is not None:
-            layer.input_scale = _input_scale(input_scale, weight.device)
+            layer.input_scale = global_scale_tensor(input_scale, weight.device, "input_scale")
         return layer
 
     @classmethod
@@ -159,8 +144,9 @@ class FP4MoE(nn.Module):
                  router_dtype: torch.dtype | None = None, mode: Mode = "w4a16", k0: int | None = None,
                  check_finite: bool | str = False):
         super().__init__()
-        from .ops.moe import check_moe_extras, check_moe_inputs
+        from .ops.moe import check_mode_and_activation, check_moe_extras, check_moe_inputs
         from .ops.routing import _check as check_routing
+        from .ops.routing import check_finite_option
 
         for name, t in (("w13", w13), ("w2", w2)):
             if not isinstance(t, FP4Tensor) or len(t.shape) != 3:
@@ -188,14 +174,8 @@ class FP4MoE(nn.Module):
             raise ValueError("shared_expert: give it or shared_gate_up/shared_down, not both")
         if router_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"router_dtype: expected None (x's dtype), float32, bfloat16 or float16, got {router_dtype}")
-        if mode not in ("w4a16", "w4a4"):
-            raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
-        if mode == "w4a4" and w13.fmt.name != "nvfp4":
-            raise ValueError(f"mode: 'w4a4' needs NVFP4 expert weights, got {w13.fmt}")
-        if activation not in ("silu", "gpt_oss"):
-            raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
-        if check_finite not in (False, True, "async"):
-            raise ValueError(f"check_finite: expected False, True or 'async', got {check_finite!r}")
+        check_mode_and_activation(mode, activation, w13)
+        check_finite_option(check_finite)
         check_moe_extras(torch.empty(0, H, device=w13.device), E, two_i // 2, H, w13_bias, w2_bias, None)
         from .ops._runtime import check_weight_scale_range
 

@@ -214,14 +214,30 @@ def _check_inputs(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode
             raise ValueError(f"bias: expected device {x.device}, got {bias.device}")
 
 
+def global_scale_tensor(value: torch.Tensor | float, device, name: str = "input_global_scale") -> torch.Tensor:
+    """A static activation global scale as the one-element fp32 tensor the kernels read: a number is
+    checked (positive, finite) and made with ``torch.full`` (no host-to-device copy: allowed under
+    CUDA graph capture); a tensor's value is not read (no host sync)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}: expected a positive finite value, got {value!r}")
+        return torch.full((1,), float(value), dtype=torch.float32, device=device)
+    _check_scale_form(value, name)
+    return value.detach().to(device=device, dtype=torch.float32).reshape(1)
+
+
+def _check_scale_form(value, name: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        raise TypeError(f"{name}: expected None, a number or a one-element floating-point tensor, got "
+                        f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+
+
 def _check_input_global_scale(scale, x: torch.Tensor) -> None:
     """W4A4's static activation global scale: a one-element floating-point tensor on x's device
     (its value is not read here: no host sync on the hot path; numbers are checked by fp4_linear)."""
     if scale is None:
         return
-    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not scale.is_floating_point():
-        raise TypeError(f"input_global_scale: expected None, a number or a one-element floating-point tensor, got "
-                        f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    _check_scale_form(scale, "input_global_scale")
     if scale.device != x.device:
         raise ValueError(f"input_global_scale: expected device {x.device}, got {scale.device}")
 
@@ -605,12 +621,8 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
         input_global_scale: W4A4 only: a static activation global scale (fp32 one-element tensor,
             e.g. a checkpoint's ``input_scale``); None computes amax / (6 * 448) per call.
     """
-    if isinstance(input_global_scale, (int, float)) and not isinstance(input_global_scale, bool):
-        if not (math.isfinite(input_global_scale) and input_global_scale > 0):
-            raise ValueError(f"input_global_scale: expected a positive finite value, got {input_global_scale!r}")
-        # torch.full, not torch.tensor: no host-to-device copy (allowed under CUDA graph capture)
-        input_global_scale = torch.full((1,), float(input_global_scale), dtype=torch.float32,
-                                        device=x.device if isinstance(x, torch.Tensor) else None)
+    if isinstance(input_global_scale, (int, float)):
+        input_global_scale = global_scale_tensor(input_global_scale, x.device if isinstance(x, torch.Tensor) else None)
     if config is not None:
         return _forward(x, w, bias, mode, input_global_scale, config)
     if not isinstance(x, torch.Tensor):

@@ -250,14 +250,21 @@ def check_moe_extras(x: torch.Tensor, E: int, I: int, H: int, w13_bias: torch.Te
             raise ValueError(f"{name}: expected device {x.device}, got {t.device}")
 
 
+def check_mode_and_activation(mode: str, activation: str, w: FP4Tensor) -> None:
+    """The layer's mode ("w4a16", or "w4a4" with NVFP4 experts) and SwiGLU variant."""
+    if mode not in ("w4a16", "w4a4"):
+        raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
+    if mode == "w4a4" and w.fmt.name != "nvfp4":
+        raise ValueError(f"mode: 'w4a4' needs NVFP4 expert weights, got {w.fmt}")
+    if activation not in _SWIGLU:
+        raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
+
+
 def _act_code(mode: str, w: FP4Tensor, device: torch.device) -> int:
-    """0 for W4A16; for W4A4 (NVFP4 only) 2 where the GPU has native FP4 MMA, else 1."""
+    """0 for W4A16; for W4A4 (NVFP4 only, ``check_mode_and_activation``) 2 where the GPU has native
+    FP4 MMA, else 1."""
     if mode == "w4a16":
         return 0
-    if mode != "w4a4":
-        raise ValueError(f"mode: expected 'w4a16' or 'w4a4', got {mode!r}")
-    if w.fmt.name != "nvfp4":
-        raise ValueError(f"mode: 'w4a4' needs NVFP4 expert weights, got {w.fmt}")
     from .linear import choose_path, device_arch
 
     return 2 if choose_path("w4a4", device_arch(device)) == "w4a4_native" else 1
@@ -284,8 +291,7 @@ def fp4_moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: to
     """
     E, I, H, k = check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
     check_moe_extras(x, E, I, H, w13_bias, w2_bias, shared_out)
-    if activation not in _SWIGLU:
-        raise ValueError(f"activation: expected 'silu' or 'gpt_oss', got {activation!r}")
+    check_mode_and_activation(mode, activation, w13)
     act = _act_code(mode, w13, x.device)
     topk_ids = topk_ids.to(torch.int32).contiguous()
     w13_bias = None if w13_bias is None else w13_bias.contiguous()

@@ -488,8 +488,7 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     No host synchronisation unless ``check_finite=True``; CUDA-graph capturable at fixed T.
     """
     _check(logits, routing, bias, k0, kernel=True)
-    if check_finite not in (False, True, "async"):
-        raise ValueError(f"check_finite: expected False, True or 'async', got {check_finite!r}")
+    check_finite_option(check_finite)
     ids, w, bad, act, exa, kept = _route_op(
         logits, bias, routing.kind, routing.top_k, routing.renormalize, routing.n_group, routing.topk_group,
         float(routing.routed_scaling_factor), k0 or 0, config.block_t if config else 0,
@@ -502,6 +501,12 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
         torch._assert_async(bad.max() == 0, "fp4moe.route: NaN/Inf in router logits (or in the bias)")
     stats = OEAStats(active_experts=act, exact_experts=exa, kept_fraction=kept) if k0 is not None else None
     return RoutingResult(topk_ids=ids, topk_weights=w, nonfinite=bad, stats=stats)
+
+
+def check_finite_option(check_finite) -> None:
+    """``route``'s ``check_finite``: False, True or "async"."""
+    if check_finite not in (False, True, "async"):
+        raise ValueError(f"check_finite: expected False, True or 'async', got {check_finite!r}")
 
 
 def make_router(model, bias: torch.Tensor | None = None, config: RoutingConfig | None = None):
