@@ -238,15 +238,15 @@ def test_wgmma_launchers_check_their_buffers():
 def test_mma_order_is_the_pack_order():
     """``_mma_order_reference`` (what ``mma_order_rows`` is tested against) is the order in which the
     packed weights reach the MMA: reading the packed words as the A fragments (lane 4g + t, word kl,
-    nibble 4 i0 + 2 i2 + i1 -> row 8 i1 + g, MMA position 16 kl + 8 i2 + 2t + i0) gives the weight
+    value 4 i0 + 2 i2 + i1 -> row 8 i1 + g, MMA position 16 kl + 8 i2 + 2t + i0) gives the weight
     codes in exactly that order."""
     from fp4moe.formats import unpack_fp4
-    from fp4moe.ops.mma_layout import pack_mma
+    from fp4moe.ops.mma_layout import pack_mma, word_codes
 
     torch.manual_seed(1)
     w = quantize(torch.randn(32, 192), "nvfp4")
     p = pack_mma(w)
-    nib = torch.stack([(p.words.to(torch.int64) >> (4 * i)) & 0xF for i in range(8)], -1)  # [rb, kc, lane, kl, p]
+    nib = word_codes(p.words)  # [rb, kc, lane, kl, p]
     nib = nib.reshape(2, 3, 8, 4, 4, 2, 2, 2)  # [rb, kc, g, t, kl, i0, i2, i1]
     a = nib.permute(0, 7, 2, 1, 4, 6, 3, 5).reshape(32, 192)  # [rb, i1, g | kc, kl, i2, t, i0]
     assert torch.equal(a, _mma_order_reference(unpack_fp4(w.data).to(torch.int64), 192))

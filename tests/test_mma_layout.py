@@ -22,6 +22,7 @@ from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
 from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants,
                           run_compile_snippet)
+from ptx_interp import bf16_to_float, run_ptx
 
 # (activation, interleaved, per-row globals, bias)
 MOE_VARIANTS = moe_variants(("silu", False, False, False), ("silu", False, True, True), ("gpt_oss", True, False, True))
@@ -70,28 +71,12 @@ def test_pack_refuses_bad_input():
         pack_mma(quantize(torch.randn(2, 16, 64), NVFP4))
 
 
-def _u32(x):
-    return x & 0xFFFFFFFF
-
-
-def _bf16x2_mul(u, s):
-    """fma.rn.bf16x2(u, s, -0) on int64 bit patterns (exact here: the products fit bf16)."""
-    halves = []
-    for sh in (0, 16):
-        a = ((u >> sh) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
-        b = ((s >> sh) & 0xFFFF).to(torch.int16).view(torch.bfloat16).float()
-        prod = (a * b).to(torch.bfloat16)
-        assert torch.equal(prod.float(), a * b)  # exact, as the kernel relies on
-        halves.append(prod)
-    return halves
-
-
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 def test_decoder_model_gives_the_documented_fragments(fmt):
-    """Run the kernel's PTX arithmetic (as integer ops) on packed words and check that value
-    (i2, i1, i0) of lane 4g+t, word kl of chunk kc, row block rb is W[16 rb + g + 8 i1, k] * 2**(F-126)
-    with k the stored K order 64 kc + 16 t + 4 kl + 2 i2 + i0."""
-    from fp4moe.kernels.linear_mma import MXFP4_SCALE_MAD, NVFP4_SCALE_MAD
+    """Run the kernel's PTX (``DECODE_ASM``, ``scale_asm``, interpreted by ``ptx_interp``) on packed
+    words and check that value (i2, i1, i0) of lane 4g+t, word kl of chunk kc, row block rb is
+    W[16 rb + g + 8 i1, k] * 2**(F-126) with k the stored K order 64 kc + 16 t + 4 kl + 2 i2 + i0."""
+    from fp4moe.kernels.linear_mma import DECODE_ASM, scale_asm
 
     N, K = 48, 192
     w = _weights(N, K, fmt, seed=3)
@@ -99,24 +84,17 @@ def test_decoder_model_gives_the_documented_fragments(fmt):
     # the kernel applies the global scale in its epilogue: compare with code x block scale
     ref = dequantize(FP4Tensor(w.data, w.scales, torch.ones(1), w.shape, fmt) if fmt is NVFP4 else w, torch.float32)
     fold = 2.0 ** (118 - 126) if fmt is NVFP4 else 2.0 ** (100 - 126)
-    words = p.words.to(torch.int64) & 0xFFFFFFFF  # [nb, kc, 32, 4]
-    mul, add = NVFP4_SCALE_MAD if fmt is NVFP4 else MXFP4_SCALE_MAD
+    words = p.words.to(torch.int64)  # [nb, kc, 32, 4]
     sb = p.scales.to(torch.int64)
     if fmt is NVFP4:  # lane's pair [nb, kc, 32, 2]
         pair = sb
     else:  # [nb, kc, 8, 4] -> lane (g, t): pair at t // 2
         pair = sb.reshape(*sb.shape[:2], 8, 2, 2)[:, :, :, [0, 0, 1, 1], :].reshape(*sb.shape[:2], 32, 2)
-    sg = (pair[..., 0] | (pair[..., 0] << 16)) * mul + add  # prmt 0x4040 then mad
-    sh = (pair[..., 1] | (pair[..., 1] << 16)) * mul + add
-    sg, sh = _u32(sg).unsqueeze(-1), _u32(sh).unsqueeze(-1)
-    w8 = words >> 8
-    regs = [(_u32((words & 0x000F000F) * 0x1040) & 0x81C081C0, sg), (_u32((words & 0x00F000F0) * 0x104) & 0x81C081C0, sh),
-            (_u32((w8 & 0x000F000F) * 0x1040) & 0x81C081C0, sg), (_u32((w8 & 0x00F000F0) * 0x104) & 0x81C081C0, sh)]
+    sg, sh = run_ptx(scale_asm(fmt is not NVFP4), [pair[..., 0] | (pair[..., 1] << 8)], 2)
+    vals = run_ptx(DECODE_ASM, [words, sg.unsqueeze(-1), sh.unsqueeze(-1)], 8)  # $2j + i0: register j = 2 i2 + i1
     out = torch.empty(*words.shape, 2, 2, 2)  # [..., i2, i1, i0]
-    for j, (u, s) in enumerate(regs):
-        lo, hi = _bf16x2_mul(u, s)
-        i2, i1 = j // 2, j % 2
-        out[..., i2, i1, 0], out[..., i2, i1, 1] = lo.float(), hi.float()
+    for k, v in enumerate(vals):
+        out[..., k // 4, k // 2 % 2, k % 2] = bf16_to_float(v)
     nb, kcs = words.shape[:2]
     # [rb, kc, g, t, kl, i2, i1, i0] -> W[rb*16 + i1*8 + g, kc*64 + t*16 + kl*4 + i2*2 + i0]
     vals = out.reshape(nb, kcs, 8, 4, 4, 2, 2, 2).permute(0, 6, 2, 1, 3, 4, 5, 7).reshape(nb * 16, kcs * 64)

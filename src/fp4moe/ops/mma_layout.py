@@ -8,9 +8,9 @@ and the encoding of the scales change.
 Words. Rows are cut in blocks of 16, K in chunks of 64. In ``mma.sync.m16n8k16`` a lane
 ``l = 4g + t`` holds, of a 16x16 A tile, the values (i2, i1, i0) at row ``g + 8*i1`` and column
 ``8*i2 + 2t + i0``. Word ``[rb, kc, l, kl]`` holds those 8 values of the tile (rows
-``16 rb ..``, K ``64 kc + 16 kl ..``), value (i2, i1, i0) in nibble ``p = 4*i0 + 2*i2 + i1``:
-nibbles p and p + 4 (one bf16x2 operand register) sit 16 bits apart, so one mask and one
-multiply place both (the decoder's comment has the arithmetic).
+``16 rb ..``, K ``64 kc + 16 kl ..``), value (i2, i1, i0) in nibble ``p = 4*i0 + 2*i2 + i1``
+(``WORD_BITS``): nibbles p and p + 4 (one bf16x2 operand register) sit 16 bits apart, so one mask
+and one multiply place both (the decoder's comment has the arithmetic).
 
 Scales. NVFP4: E4M3 re-encoded as E5M3 with exponent bias -10 (every E4M3 value, subnormals
 included, is a normal E5M3 number with exponent code 1..18), so that ``(code << 4) + (235 << 7)``
@@ -32,6 +32,35 @@ from ._runtime import check_weight_scales, pdl_kwargs
 
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
+
+#: bit positions in its word of value p's E2M1 code bits (mantissa, exponent low, exponent high,
+#: sign): nibble p. ``kernels.linear_mma.DECODE_ASM`` reads them this way, and ``pack_words`` /
+#: ``word_codes`` (the pack, its inverse and the tests) take the placement from here only. A
+#: placement that needs 9 integer operations per word to decode instead of 13 exists, and ran
+#: 10-30% slower on the H200 (notes/linear-perf.md, session 22).
+WORD_BITS = tuple((4 * p, 4 * p + 1, 4 * p + 2, 4 * p + 3) for p in range(8))
+
+
+def _spread_table(device) -> torch.Tensor:
+    """int64 [8, 16]: the bits of code c (0..15) at value p's positions, ``WORD_BITS[p]``."""
+    pos = torch.tensor(WORD_BITS, dtype=torch.int64, device=device)  # [8, 4]
+    c = torch.arange(16, dtype=torch.int64, device=device)
+    bits = (c[:, None] >> torch.arange(4, device=device)) & 1  # [16, 4]
+    return (bits[None] << pos[:, None]).sum(-1)
+
+
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """int32 words of E2M1 codes [..., 8] (value p of each word last), as ``WORD_BITS`` places them."""
+    table = _spread_table(codes.device)
+    words = table[torch.arange(8, device=codes.device), codes.to(torch.int64)].sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def word_codes(words: torch.Tensor) -> torch.Tensor:
+    """The E2M1 codes [..., 8] (value p last, int64) of int32 ``words`` (``pack_words`` inverted)."""
+    w = words.to(torch.int64).unsqueeze(-1) & 0xFFFFFFFF
+    pos = torch.tensor(WORD_BITS, dtype=torch.int64, device=words.device)  # [8, 4]
+    return sum(((w >> pos[:, b]) & 1) << b for b in range(4))
 
 
 @dataclass(frozen=True)
@@ -136,10 +165,7 @@ def _pack_rows(data: torch.Tensor, sbits: torch.Tensor, fmt: FP4Format, Kp: int)
     scodes = torch.nn.functional.pad(scodes, (0, (Kp - K) // group, 0, npad - n), value=0 if fmt is NVFP4 else 127)
     # stored K (kc, t, kl, i2, i0) -> [rb, kc, g, t, kl, i0, i2, i1]: nibble p = 4 i0 + 2 i2 + i1
     c = codes.reshape(npad // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
-    c = c.reshape(npad // 16, Kp // 64, 32, 4, 8).to(torch.int64)
-    shifts = torch.arange(0, 32, 4, device=c.device, dtype=torch.int64)
-    words = (c << shifts).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    words = pack_words(c.reshape(npad // 16, Kp // 64, 32, 4, 8))
     if fmt is NVFP4:  # lane (g, t) owns K group t of the chunk: [rb, i1, g, kc, t] -> [rb, kc, g, t, i1]
         s = scodes.reshape(npad // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).reshape(npad // 16, Kp // 64, 32, 2)
     else:  # one scale per 32 K, group t // 2: [rb, i1, g, kc, th] -> [rb, kc, g, th, i1]
@@ -153,9 +179,7 @@ def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
     N, K = p.shape
     nb, kcs = p.words.shape[:2]
     Np, Kp = nb * 16, kcs * 64
-    w = p.words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, device=w.device, dtype=torch.int64)
-    c = ((w.unsqueeze(-1) >> shifts) & 0xF).reshape(nb, kcs, 8, 4, 4, 2, 2, 2)  # [rb, kc, g, t, kl, i0, i2, i1]
+    c = word_codes(p.words).reshape(nb, kcs, 8, 4, 4, 2, 2, 2)  # [rb, kc, g, t, kl, i0, i2, i1]
     codes = c.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(Np, Kp)[:N, :K].to(torch.uint8)
     if p.fmt is NVFP4:
         s = p.scales.reshape(nb, kcs, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 16)
