@@ -718,6 +718,9 @@ BAD_TENSORS = [
      rf"{E}: expert 1 is missing"),
     ("projection missing", lambda t: [t.pop(k) for k in list(t) if k.startswith(f"{E}.2.up_proj")],
      rf"{E}\.2: missing the up projection"),
+    ("expert weight not 2-D", lambda t: [t.pop(k) for k in list(t) if k.startswith(f"{E}.0.gate_proj.weight_")]
+     + [t.__setitem__(f"{E}.0.gate_proj.weight", torch.zeros(2, 32, 64, dtype=torch.bfloat16))],
+     rf"'{E}\.0\.gate_proj\.weight'.*expected a 2-D expert weight \[N, K\], found BF16\[2, 32, 64\]"),
     ("expert of another shape", lambda t: _modelopt_linear(t, f"{E}.2.gate_proj", 48, 64, torch.Generator()),
      rf"'{E}\.2\.gate_proj\.weight'.*expected the shape of expert 0's gate projection \[N, K\] = \[32, 64\], "
      r"found \[48, 64\]"),

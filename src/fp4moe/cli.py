@@ -147,8 +147,9 @@ def demo(
     new_tokens: Annotated[int, typer.Option(min=1, help="--e2e: greedy tokens to generate.")] = 8,
     timing: Annotated[bool, typer.Option("--timing", help="--e2e: also time generate and the MoE layers (bf16 vs "
                                          "fp4moe); meaningful on a GPU only.")] = False,
-    workdir: Annotated[Optional[str], typer.Option(help="--e2e: keep the bf16 model and checkpoint here "
-                                                   "(default: a temporary folder, removed).")] = None,
+    workdir: Annotated[Optional[str], typer.Option(help="--e2e: keep the bf16 model and checkpoint here, in "
+                                                   "DIR/bf16 and DIR/<format> (a checkpoint already there is "
+                                                   "replaced; default: a temporary folder, removed).")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Quantize a random matrix to NVFP4 and MXFP4 and report the round-trip error (CPU or GPU);

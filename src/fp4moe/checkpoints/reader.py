@@ -468,9 +468,12 @@ class Checkpoint:
         if spec is not None:
             return (spec.n, spec.k), next(iter(spec.tensors.values()))
         weight = self._modules[module].get("weight")
-        if weight is None or len(weight.shape) != 2:
+        if weight is None:
             first = next(iter(self._modules[module].values()))
             raise CheckpointError(f"{first.file}: missing tensor {module + '.weight'!r} (a 2-D expert weight)")
+        if len(weight.shape) != 2:
+            raise CheckpointError(f"{_where(weight)}: expected a 2-D expert weight [N, K], found "
+                                  f"{weight.dtype}{list(weight.shape)}")
         return (weight.shape[0], weight.shape[1]), weight
 
     # ------------------------------------------------------------------------------------------
