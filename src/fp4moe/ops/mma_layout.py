@@ -37,7 +37,7 @@ KCHUNK = 64  # K per 4 words of a lane
 #: sign): nibble p. ``kernels.linear_mma.DECODE_ASM`` reads them this way, and ``pack_words`` /
 #: ``word_codes`` (the pack, its inverse and the tests) take the placement from here only. A
 #: placement that needs 9 integer operations per word to decode instead of 13 exists, and ran
-#: 10-30% slower on the H200 (notes/linear-perf.md, session 22).
+#: 4-37% slower on the H200 (notes/linear-perf.md, session 22).
 WORD_BITS = tuple((4 * p, 4 * p + 1, 4 * p + 2, 4 * p + 3) for p in range(8))
 
 
