@@ -279,7 +279,9 @@ for gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent, merge 
                 "local": sass.count("STL") + sass.count("LDL"), "loop_local": loop_local_memory_ops(sass),
                 "decode": ptx.count("fma.rn.bf16x2"), "cp_async": ptx.count("cp.async.ca.shared.global") + ptx.count("cp.async.cg.shared.global"),
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
-                "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass)})
+                "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass),
+                "pdl_waits": ptx.count("griddepcontrol.wait"),
+                "tma_before_wait": ptx.split("griddepcontrol.wait")[0].count("cp.async.bulk.tensor")})
 print(json.dumps(out))
 """
 
@@ -369,7 +371,7 @@ def test_cross_compiles_for_sm90():
     """Plain linear and both MoE GEMMs compile for SM90 with wgmma (A from the decoded registers),
     activations and weight words by TMA on mbarriers (no cp.async), inside the per-block
     shared-memory limit and exactly as the model (``wgmma_smem_terms``) says, and their SASS leaves
-    in-flight wgmma registers alone."""
+    in-flight wgmma registers alone; split-K launches request their first weights before their PDL wait."""
     from fp4moe.arch import get_arch
     from fp4moe.ops.mma_layout import wgmma_smem_terms
 
@@ -387,6 +389,9 @@ def test_cross_compiles_for_sm90():
         assert r["hgmma"] > 0 and r["hazards"] == [], r  # checked something, found nothing
         assert not persistent or r["local"] == 0, r  # the epilogue's row offsets are not hoisted out of the tile loop
         assert r["loop_local"] == 0, r  # no spill inside the K loop (merged tails spill a few values outside it)
+        # split-K launches wait for the pass before them after requesting their first chunks' weights and
+        # scales (two copies per chunk, stages - 2 chunks); the others are launched without PDL
+        assert (r["pdl_waits"], r["tma_before_wait"]) == ((1, 2 * (stages - 2)) if split > 1 else (0, r["tma"])), r
 
 
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
@@ -445,6 +450,46 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
                WgmmaConfig(block_m=256, warps=8, repeats=1, persistent=True),  # K = 64: one chunk, not persistent
                WgmmaConfig(block_m=256, warps=8, repeats=1, stages=3, persistent=True))
     check_packed_linear(launch_linear_wgmma, configs, fmt, M, N, K)
+
+
+@pytest.mark.gpu
+@needs_wgmma
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("M,N,K,cfg", [(64, 6144, 2048, WgmmaConfig(block_m=64, split_k=4)),
+                                       (17, 400, 1024, WgmmaConfig(block_m=32, split_k=8)),  # N past the tile
+                                       (100, 256, 192, WgmmaConfig(block_m=64, split_k=8))])  # 3 chunks: 3 splits
+def test_gpu_split_k_with_pdl_is_bitwise_without(fmt, M, N, K, cfg, monkeypatch):
+    """Split-K launches chained by PDL (the pass, then the GEMM requesting its first weights before its
+    wait; the first launch of a pack waits first) give bitwise the output of plain launches, call after
+    call, with and without bias, in a CUDA graph replayed with new activations each time."""
+    from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
+
+    torch.manual_seed(0)
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    w = quantize(torch.randn(N, K, device="cuda"), fmt)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    for b in (None, bias):
+        monkeypatch.setenv("FP4MOE_PDL", "0")
+        p_plain = pack_mma(w)
+        want = [launch_linear_wgmma(x, p_plain, b, torch.empty(M, N, device="cuda", dtype=torch.bfloat16), cfg)
+                for x in xs]
+        monkeypatch.setenv("FP4MOE_PDL", "1")
+        p = pack_mma(w)
+        y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        for x, ref in zip(xs + xs, want + want):  # the pack's first launch (PDL = 1), then PDL = 2
+            y.fill_(float("nan"))
+            launch_linear_wgmma(x, p, b, y, cfg)
+            assert torch.equal(y, ref), (cfg, b is None)
+        x_in = xs[0].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch_linear_wgmma(x_in, p, b, y, cfg)
+        for x, ref in zip(xs, want):
+            x_in.copy_(x)
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, ref), (cfg, b is None, "graph")
 
 
 @pytest.mark.gpu

@@ -69,7 +69,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .linear_mma import decode_a_operand
+from .linear_mma import _pdl_enter, decode_a_operand
+from .pdl import pdl_enter
 from .moe import _gate_up_rows, _moe_epilogue
 
 
@@ -91,16 +92,16 @@ def mma_pair(s):
 
 @gluon.jit
 def _load_chunk(cn, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
-                NB: gl.constexpr, SWIGLU: gl.constexpr, x2_desc=None, x2_smem=None):
+                NB: gl.constexpr, SWIGLU: gl.constexpr, x2_desc=None, x2_smem=None, PART: gl.constexpr = 0):
     """TMA copies of the program's chunk ``cn`` (K chunk kc0 + cn; nothing at or past n_c) into
     ring slot ``cn % STAGES`` (``_load_stage``)."""
     _load_stage(cn % x_smem.shape[0], cn < n_c, kc0 + cn, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready,
-                row_start, rb0, rb_up, NB, SWIGLU, x2_desc, x2_smem)
+                row_start, rb0, rb_up, NB, SWIGLU, x2_desc, x2_smem, PART)
 
 
 @gluon.jit
 def _load_stage(slot, pred, kc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up,
-                NB: gl.constexpr, SWIGLU: gl.constexpr, x2_desc=None, x2_smem=None):
+                NB: gl.constexpr, SWIGLU: gl.constexpr, x2_desc=None, x2_smem=None, PART: gl.constexpr = 0):
     """Where ``pred``, TMA copies of K chunk ``kc`` into ring slot ``slot`` on its mbarrier: the
     activation tile from ``row_start`` and the program's NB weight row blocks, words and scale pairs
     (16-row block b's at [b, chunk]: one box from rb0, or for GEMM 1 NB / 2 gate blocks from rb0
@@ -108,28 +109,33 @@ def _load_stage(slot, pred, kc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, 
     tile) are the same expert's up rows (GEMM 1's gate box), the next expert's rows, or zeros past
     the tensor: they feed only accumulator rows whose columns are never stored. With ``x2_smem``
     (a tile that runs its expert's short last tile too), also the x2_desc box of activation rows
-    that follows the first one."""
+    that follows the first one. ``PART``: 0 all of it; 1 the expected bytes and the weights' copies,
+    2 the activations' (a programmatic dependent launch requests its first weights before its wait)."""
     S: gl.constexpr = s_desc.block_type.shape[1]
     W_COPIES: gl.constexpr = 2 if SWIGLU > 0 else 1
     X_BYTES: gl.constexpr = x_desc.block_type.nbytes + (0 if x2_smem is None else x2_desc.block_type.nbytes)
-    mbarrier.expect(ready.index(slot), X_BYTES + W_COPIES * (w_desc.block_type.nbytes + s_desc.block_type.nbytes),
-                    pred=pred)
-    tma.async_copy_global_to_shared(x_desc, [row_start, kc * 64], ready.index(slot), x_smem.index(slot), pred=pred)
-    if x2_smem is not None:
-        tma.async_copy_global_to_shared(x2_desc, [row_start + x_desc.block_type.shape[0], kc * 64], ready.index(slot),
-                                        x2_smem.index(slot), pred=pred)
-    if SWIGLU > 0:
-        tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot),
-                                        w_smem.index(slot).slice(0, NB // 2), pred=pred)
-        tma.async_copy_global_to_shared(w_desc, [rb_up, kc * 128], ready.index(slot),
-                                        w_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
-        tma.async_copy_global_to_shared(s_desc, [rb0, kc * S], ready.index(slot),
-                                        s_smem.index(slot).slice(0, NB // 2), pred=pred)
-        tma.async_copy_global_to_shared(s_desc, [rb_up, kc * S], ready.index(slot),
-                                        s_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
-    else:
-        tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot), w_smem.index(slot), pred=pred)
-        tma.async_copy_global_to_shared(s_desc, [rb0, kc * S], ready.index(slot), s_smem.index(slot), pred=pred)
+    if PART != 2:
+        mbarrier.expect(ready.index(slot), X_BYTES + W_COPIES * (w_desc.block_type.nbytes + s_desc.block_type.nbytes),
+                        pred=pred)
+    if PART != 1:
+        tma.async_copy_global_to_shared(x_desc, [row_start, kc * 64], ready.index(slot), x_smem.index(slot),
+                                        pred=pred)
+        if x2_smem is not None:
+            tma.async_copy_global_to_shared(x2_desc, [row_start + x_desc.block_type.shape[0], kc * 64],
+                                            ready.index(slot), x2_smem.index(slot), pred=pred)
+    if PART != 2:
+        if SWIGLU > 0:
+            tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot),
+                                            w_smem.index(slot).slice(0, NB // 2), pred=pred)
+            tma.async_copy_global_to_shared(w_desc, [rb_up, kc * 128], ready.index(slot),
+                                            w_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
+            tma.async_copy_global_to_shared(s_desc, [rb0, kc * S], ready.index(slot),
+                                            s_smem.index(slot).slice(0, NB // 2), pred=pred)
+            tma.async_copy_global_to_shared(s_desc, [rb_up, kc * S], ready.index(slot),
+                                            s_smem.index(slot).slice(NB // 2, NB // 2), pred=pred)
+        else:
+            tma.async_copy_global_to_shared(w_desc, [rb0, kc * 128], ready.index(slot), w_smem.index(slot), pred=pred)
+            tma.async_copy_global_to_shared(s_desc, [rb0, kc * S], ready.index(slot), s_smem.index(slot), pred=pred)
 
 
 @gluon.jit
@@ -194,7 +200,7 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
                WARPS: gl.constexpr, REPEATS: gl.constexpr, STAGES: gl.constexpr, MXFP4: gl.constexpr,
                WG_MODE: gl.constexpr, HAS_BIAS: gl.constexpr, SWIGLU: gl.constexpr, ALPHA: gl.constexpr,
                LIMIT: gl.constexpr, SCATTER: gl.constexpr, HAS_RW: gl.constexpr, OUT_MMA_ORDER: gl.constexpr,
-               FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, x2_desc=None):
+               FOLD: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr, x2_desc=None, PDL: gl.constexpr = 0):
     """One program's tile of ``fp4_gemm_wgmma_kernel``: BLOCK_M activation rows from ``row_start``
     (valid below ``row_end``) x the weight rows of N tile ``pid_n`` of expert ``e``, the ``n_c`` K
     chunks from ``kc0``; mainloop and epilogue (module docstring). With ``x2_desc`` (a merged tail)
@@ -221,9 +227,16 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
     x_smem, w_smem, s_smem, ready = _ring(x_desc, w_desc, s_desc, BLOCK_M, NB, STAGES)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     if x2_desc is None:
-        for i in gl.static_range(STAGES - 2):  # prologue: chunks 0 .. STAGES-3 in flight
+        # prologue: chunks 0 .. STAGES-3 in flight; with PDL = 2 their weights before the wait for the kernel
+        # before (which writes the activations, never the weights), their activations after it
+        for i in gl.static_range(STAGES - 2):
             _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
-                        SWIGLU)
+                        SWIGLU, PART=1 if PDL == 2 else 0)
+        if PDL == 2:
+            _pdl_enter()
+            for i in gl.static_range(STAGES - 2):
+                _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0,
+                            rb_up, NB, SWIGLU, PART=2)
         for j in range(0, n_c // 2):
             acc = _k_step(2 * j, n_c, kc0, acc, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start,
                           rb0, rb_up, STAGES, WARPS, NB, SWIGLU, MXFP4, DECODE, SCALE, a_layout, w_layout)
@@ -451,10 +464,16 @@ def fp4_gemm_wgmma_kernel(
     MERGE_TAIL: gl.constexpr = False,  # GROUPED, TAIL_M > 0: an expert's full tile followed by its short last
     #                                    tile (<= TAIL_M rows) runs both (x_tail_desc's box after its own), the
     #                                    short tile's programs do nothing
+    PDL: gl.constexpr = 0,  # plain, not persistent: programmatic dependent launch (``kernels.pdl``): 1 wait for
+    #                         the kernel before first; 2 request the first chunks' weights, then wait (the kernel
+    #                         before must not write the weights)
 ):
     NB: gl.constexpr = REPEATS * WARPS  # 16-row blocks per program
     gl.static_assert((SWIGLU == 0) or (REPEATS == 2), "the fused activation pairs register repeats")
+    gl.static_assert(PDL == 0 or not (GROUPED or PERSISTENT), "PDL: the plain linear's tiles")
     BLOCK_N: gl.constexpr = 16 * NB
+    if PDL == 1:
+        _pdl_enter()
 
     KC = K // 64
     if SWIGLU > 0:
@@ -521,7 +540,8 @@ def fp4_gemm_wgmma_kernel(
     else:
         _gemm_tile(x_desc, BLOCK_M, w_desc, s_desc, wg_ptr, bias_ptr, out_ptr, row_out_ptr, row_w_ptr, N, K, e, pid_n,
                    row_start, row_end, kc0, n_c, stride_om, stride_ge, stride_be, WARPS, REPEATS, STAGES, MXFP4,
-                   WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE, SCALE)
+                   WG_MODE, HAS_BIAS, SWIGLU, ALPHA, LIMIT, SCATTER, HAS_RW, OUT_MMA_ORDER, FOLD, DECODE, SCALE,
+                   PDL=PDL)
 
 
 @triton.jit
@@ -531,6 +551,7 @@ def mma_order_rows_kernel(
     out_ptr,  # int32 view of the bf16 output [R, K / 2] (stride_o), K a multiple of 64
     R, K_X, stride_x, stride_o,
     GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_Q: tl.constexpr,  # BLOCK_Q pairs, a multiple of 32
+    PDL: tl.constexpr = 0,  # ``kernels.pdl``
 ):
     """Activations into the weights' MMA K order for the wgmma kernel's TMA loads: output pair q of a
     64-K chunk (MMA pair 8kl + 4i2 + t) is stored pair 8t + 2kl + i2 of that chunk (``mma_layout``);
@@ -542,6 +563,7 @@ def mma_order_rows_kernel(
     registers (the compiler's layout conversion through shared memory). The first version loaded
     each pair from its permuted address, one 4-byte load per pair: 61% of the copy bandwidth on the
     H200 (38 us of a 958 us prefill at 12288x6144, M = 4096)."""
+    pdl_enter(PDL)
     pid_r = tl.program_id(0)
     pid_q = tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -28,7 +28,7 @@ import torch
 from ..arch import Arch, default_gpu, get_arch
 from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
-from ._runtime import check_weight_scales, pdl_kwargs
+from ._runtime import check_weight_scales, pdl_enabled, pdl_kwargs
 
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
@@ -869,12 +869,13 @@ def _x_pairs(x2: torch.Tensor) -> torch.Tensor:
 
 
 def mma_order_rows(x2: torch.Tensor, k_stored: int, rows: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, pdl: bool = False) -> torch.Tensor:
     """Activations [M, K_X] bf16 -> [R, k_stored] in the packed weights' MMA K order (each 64-K
     chunk's bf16 pairs permuted as ``pack_mma`` permutes the weights' K; K past K_X zero): the
     layout the wgmma kernel's TMA copies into shared memory as it is. ``rows`` [R] int32 gathers
     (MoE GEMM 1: the dispatch plan's sorted_token, whose -1 rows, dropped pairs, come out zero);
-    otherwise R = M. One pass over the data."""
+    otherwise R = M. One pass over the data. ``pdl``: launched with programmatic dependent launch
+    (``kernels.pdl``; the caller checks the device has it)."""
     import triton
 
     from ..kernels.gemm_wgmma import mma_order_rows_kernel
@@ -898,7 +899,7 @@ def mma_order_rows(x2: torch.Tensor, k_stored: int, rows: torch.Tensor | None = 
     block_r, block_q = 16, 128 if k_stored % 256 == 0 else 32
     mma_order_rows_kernel[(triton.cdiv(R, block_r), k_stored // 2 // block_q)](
         xp, rows if rows is not None else xp, op, R, x2.shape[1], xp.stride(0), op.stride(0),
-        GATHER=rows is not None, BLOCK_R=block_r, BLOCK_Q=block_q, num_warps=4)
+        GATHER=rows is not None, BLOCK_R=block_r, BLOCK_Q=block_q, num_warps=4, PDL=int(pdl), launch_pdl=pdl)
     return out
 
 
@@ -1038,7 +1039,8 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                  "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       OUT_MMA_ORDER=out_mma_order, TAIL_M=config.tail_m, PERSISTENT=config.persistent,
-                      MERGE_TAIL=config.merge_tail)
+                      MERGE_TAIL=config.merge_tail,
+                      PDL=2 if config.split_k > 1 and get_arch(cc).has_pdl else 0)  # as launch_linear_wgmma
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("out_ptr", "N", "K", "stride_om"))
@@ -1105,11 +1107,19 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
         return out
     if x_mma_order and (tuple(x2.shape) != (M, k_stored) or x2.dtype != torch.bfloat16 or not x2.is_contiguous()):
         raise ValueError(f"x2: x_mma_order needs a contiguous bf16 [{M}, {k_stored}], got {x2.dtype} {tuple(x2.shape)}")
-    x_desc = _x_desc(x2 if x_mma_order else mma_order_rows(x2, k_stored), config.block_m)
+    split, per_split = wgmma_split(config, p.words.shape[1])
+    # split-K (small batches, where launch gaps weigh most): the pass and the GEMM chained by programmatic
+    # dependent launch, the GEMM requesting its first weights before its wait (not on a pack's first
+    # launch: the kernel before may be the one that wrote it); ``SPLIT_PDL`` says what was measured
+    pdl = SPLIT_PDL and split > 1 and not config.ws and bool(pdl_enabled(out.device))
+    gemm_pdl = 0
+    if pdl:
+        gemm_pdl = 2 if getattr(p.words, "_fp4moe_launched", False) else 1
+        p.words._fp4moe_launched = True
+    x_desc = _x_desc(x2 if x_mma_order else mma_order_rows(x2, k_stored, pdl=pdl), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
     w_desc = _w_desc(p, _w_box_rows(config, False))
-    split, per_split = wgmma_split(config, p.words.shape[1])
     target = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=out.device)
     fused_bias = bias if split == 1 else None
     rest = (p.global_scale if p.global_scale is not None else unused,
@@ -1134,12 +1144,22 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     fp4_gemm_wgmma_kernel[grid](w_desc, _s_desc(p, _w_box_rows(config, False)), x_desc, x_desc, *rest, per_split,
                                 SWIGLU=0,
                                 ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
-                                PERSISTENT=config.persistent, num_warps=config.warps, **consts)
+                                PERSISTENT=config.persistent, num_warps=config.warps, PDL=gemm_pdl,
+                                launch_pdl=pdl, **consts)
     if split > 1:
         from .linear import reduce_splits
 
         reduce_splits(target, bias, out)
     return out
+
+
+#: split-K wgmma launches (M = 17..64) chain the pass into MMA K order and the GEMM by programmatic
+#: dependent launch, the GEMM's first two chunks of weights requested before its wait. H200, GLM-5
+#: shapes at M = 17, 32, 64 (benchmarks/raw/try-wgmma-split-pdl-h200.json): 4-8% faster on all twelve.
+#: The reduction kernel after it launched with PDL too was 8-11% slower on the two large shapes at
+#: M = 17 and 32 (its programs resident and waiting through the GEMM) though 12-17% faster on
+#: 6144x2048, so it launches plainly.
+SPLIT_PDL = True
 
 
 def wgmma_split(config: WgmmaConfig, chunks: int) -> tuple[int, int]:
