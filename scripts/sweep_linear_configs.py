@@ -3,7 +3,8 @@ benchmark records print them) on GLM-5 shapes, against the runtime's own choice,
 against the reference first. Weights rotate past the L2 as in ``fp4moe bench linear``; ``--repeat``
 times every configuration R times round-robin. GPU only; ``--dry-run`` lists the runs (CPU).
 ``default_xs2``, ``default_pdl3``, ``default_pdl3_xs2``, ``default_xc``, ``default_xs2_xc``, ``default_xc_xa``
-(x a chunk ahead, without the ring) name the runtime's choice with those fields replaced.
+(x a chunk ahead, without the ring) name the runtime's choice with those fields replaced. Checks record
+whether each output is bitwise the default's.
 Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
 [--shapes 12288x6144,6144x12288] [--fmt nvfp4|mxfp4] [--repeat R] [--out DIR] [--dry-run]"""
 import argparse
@@ -78,6 +79,7 @@ def main() -> None:
                 except (TypeError, ValueError) as e:  # not an MMAConfig, or a field it refuses (pdl without kw)
                     print(f"{N}x{K} M={M} default with {v}: {e}", flush=True)
             cfgs += named
+            y_default = None  # the default's output, which every configuration is compared with bitwise
             for rep in range(args.repeat):
                 for c in cfgs:
                     launch = launch_linear_mma if isinstance(c, MMAConfig) else launch_linear_wgmma
@@ -88,7 +90,11 @@ def main() -> None:
                             y.fill_(float("nan"))
                             launch(x, ps[0], None, y, c)
                             err = float((y.float() - ref).abs().max() / ref.abs().max())
-                            res["check"].append(dict(N=N, K=K, M=M, cfg=str(c), rel_err=err, ok=err < 1e-2))
+                            if c is cfgs[0]:
+                                y_default = y.clone()
+                            same = y_default is not None and bool(torch.equal(y, y_default))
+                            res["check"].append(dict(N=N, K=K, M=M, cfg=str(c), rel_err=err, ok=err < 1e-2,
+                                                     bitwise_default=same))
                             if not err < 1e-2:
                                 print(f"{N}x{K} M={M} {c}: WRONG rel_err {err:.2e}", flush=True)
                                 continue
@@ -99,8 +105,10 @@ def main() -> None:
                         continue
                     res["time"].append(dict(N=N, K=K, M=M, cfg=str(c), default=c is cfgs[0], rep=rep, us=t,
                                             frac=bound / t))
-                    print(f"{N}x{K} M={M} {c}{' (default)' if c is cfgs[0] else ''}: {t:.2f} us {bound / t:.1%}",
-                          flush=True)
+                    same = next((r["bitwise_default"] for r in res["check"] if r["cfg"] == str(c) and r["M"] == M
+                                 and r["N"] == N and r["K"] == K), None)
+                    print(f"{N}x{K} M={M} {c}{' (default)' if c is cfgs[0] else ''}: {t:.2f} us {bound / t:.1%}"
+                          f"{'' if same in (True, None) else ' NOT BITWISE THE DEFAULT'}", flush=True)
         del ws, ps
     print("checks failed:", sum(not r["ok"] for r in res["check"]))
     if args.out:
