@@ -4,7 +4,7 @@ against the reference first. Weights rotate past the L2 as in ``fp4moe bench lin
 times every configuration R times round-robin. GPU only; ``--dry-run`` lists the runs (CPU).
 ``default_xs2``, ``default_pdl3``, ``default_pdl3_xs2``, ``default_xc``, ``default_xs2_xc``, ``default_xc_xa``
 (x a chunk ahead, without the ring) name the runtime's choice with those fields replaced. Checks record
-whether each output is bitwise the default's.
+whether each output is bitwise the default's (None where the default itself failed).
 Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
 [--shapes 12288x6144,6144x12288] [--fmt nvfp4|mxfp4] [--repeat R] [--out DIR] [--dry-run]"""
 import argparse
@@ -92,7 +92,7 @@ def main() -> None:
                             err = float((y.float() - ref).abs().max() / ref.abs().max())
                             if c is cfgs[0]:
                                 y_default = y.clone()
-                            same = y_default is not None and bool(torch.equal(y, y_default))
+                            same = None if y_default is None else bool(torch.equal(y, y_default))
                             res["check"].append(dict(N=N, K=K, M=M, cfg=str(c), rel_err=err, ok=err < 1e-2,
                                                      bitwise_default=same))
                             if not err < 1e-2:

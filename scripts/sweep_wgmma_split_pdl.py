@@ -23,6 +23,7 @@ def main() -> None:
     from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
     from fp4moe.quantize import quantize
 
+    user_pdl = os.environ.get("FP4MOE_PDL")
     arch = get_arch(torch.cuda.get_device_capability())
     copy = measure_copy_bandwidth()
     res = {"copy_gbs": copy, "time": []}
@@ -45,8 +46,11 @@ def main() -> None:
                     frac = wbytes / (copy * 1e3) / t
                     res["time"].append(dict(N=N, K=K, M=M, cfg=str(c), pdl=pdl, rep=rep, us=t, frac=frac))
                     print(f"{N}x{K} M={M} {c} pdl={pdl}: {t:.2f} us ({frac:.1%})", flush=True)
-        del ps
-    os.environ.pop("FP4MOE_PDL", None)
+        del ps, w0
+    if user_pdl is None:
+        os.environ.pop("FP4MOE_PDL", None)
+    else:
+        os.environ["FP4MOE_PDL"] = user_pdl
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -281,7 +281,8 @@ for gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent, merge 
                 "tma": ptx.count("cp.async.bulk.tensor"), "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "hgmma": count_hgmma(sass), "hazards": wgmma_register_hazards(sass),
                 "pdl_waits": ptx.count("griddepcontrol.wait"),
-                "tma_before_wait": ptx.split("griddepcontrol.wait")[0].count("cp.async.bulk.tensor")})
+                "tma_before_wait": ptx.split("griddepcontrol.wait")[0].count("cp.async.bulk.tensor"),
+                "expect_before_wait": ptx.split("griddepcontrol.wait")[0].count("mbarrier.arrive.expect_tx")})
 print(json.dumps(out))
 """
 
@@ -390,8 +391,10 @@ def test_cross_compiles_for_sm90():
         assert not persistent or r["local"] == 0, r  # the epilogue's row offsets are not hoisted out of the tile loop
         assert r["loop_local"] == 0, r  # no spill inside the K loop (merged tails spill a few values outside it)
         # split-K launches wait for the pass before them after requesting their first chunks' weights and
-        # scales (two copies per chunk, stages - 2 chunks); the others are launched without PDL
-        assert (r["pdl_waits"], r["tma_before_wait"]) == ((1, 2 * (stages - 2)) if split > 1 else (0, r["tma"])), r
+        # scales (two copies and the stage's one expect of all its bytes per chunk, stages - 2 chunks); the
+        # others are launched without PDL
+        assert (r["pdl_waits"], r["tma_before_wait"], r["expect_before_wait"]) == \
+            ((1, 2 * (stages - 2), stages - 2) if split > 1 else (0, r["tma"], r["expect_before_wait"])), r
 
 
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
@@ -460,10 +463,13 @@ def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
                                        (100, 256, 192, WgmmaConfig(block_m=64, split_k=8))])  # 3 chunks: 3 splits
 def test_gpu_split_k_with_pdl_is_bitwise_without(fmt, M, N, K, cfg, monkeypatch):
     """Split-K launches chained by PDL (the pass, then the GEMM requesting its first weights before its
-    wait; the first launch of a pack waits first) give bitwise the output of plain launches, call after
-    call, with and without bias, in a CUDA graph replayed with new activations each time."""
-    from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
+    wait) give bitwise the output of plain launches, call after call, with and without bias, in a CUDA
+    graph replayed with new activations each time, and with x already in MMA order (no pass: the
+    pack's first launch waits before any load, the next ones do not)."""
+    from fp4moe.ops._runtime import pdl_enabled
+    from fp4moe.ops.mma_layout import launch_linear_wgmma, mma_order_rows, pack_mma
 
+    assert pdl_enabled(torch.device("cuda")), "the H200 has PDL: without it this test compares plain launches"
     torch.manual_seed(0)
     xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     w = quantize(torch.randn(N, K, device="cuda"), fmt)
@@ -490,6 +496,12 @@ def test_gpu_split_k_with_pdl_is_bitwise_without(fmt, M, N, K, cfg, monkeypatch)
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(y, ref), (cfg, b is None, "graph")
+        p_mma = pack_mma(w)
+        for x, ref in zip(xs + xs, want + want):
+            y.fill_(float("nan"))
+            launch_linear_wgmma(mma_order_rows(x, p_mma.words.shape[1] * 64), p_mma, b, y, cfg, x_mma_order=True)
+            assert torch.equal(y, ref), (cfg, b is None, "x in MMA order")
+        assert p_mma.words._fp4moe_launched
 
 
 @pytest.mark.gpu

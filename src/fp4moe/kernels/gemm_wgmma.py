@@ -70,8 +70,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .linear_mma import _pdl_enter, decode_a_operand
-from .pdl import pdl_enter
 from .moe import _gate_up_rows, _moe_epilogue
+from .pdl import pdl_enter
 
 
 
@@ -228,7 +228,7 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     if x2_desc is None:
         # prologue: chunks 0 .. STAGES-3 in flight; with PDL = 2 their weights before the wait for the kernel
-        # before (which writes the activations, never the weights), their activations after it
+        # before (the launcher makes sure that kernel cannot be writing the weights), their activations after
         for i in gl.static_range(STAGES - 2):
             _load_chunk(i, n_c, kc0, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, row_start, rb0, rb_up, NB,
                         SWIGLU, PART=1 if PDL == 2 else 0)

@@ -9,8 +9,10 @@ which at decode batch sizes is a visible part of an MoE layer (routing -> dispat
 epilogue -> GEMM 2 -> combine).
 
 Every chain kernel calls ``pdl_enter`` first, before any load or store, so nothing it reads or
-writes can race with the kernel before it. Both instructions are no-ops in a kernel launched
-without the attribute, which keeps a kernel correct in any position of a stream.
+writes can race with the kernel before it; the exceptions read only weights before their wait,
+where the launcher knows the kernel before cannot be writing them (the Gluon decode and wgmma
+kernels' ``PDL = 2``). Both instructions are no-ops in a kernel launched without the attribute,
+which keeps a kernel correct in any position of a stream.
 """
 
 import triton

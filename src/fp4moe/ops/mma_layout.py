@@ -1039,8 +1039,8 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
                  "k_per_split": "i32"}
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       OUT_MMA_ORDER=out_mma_order, TAIL_M=config.tail_m, PERSISTENT=config.persistent,
-                      MERGE_TAIL=config.merge_tail,
-                      PDL=2 if config.split_k > 1 and get_arch(cc).has_pdl else 0)  # as launch_linear_wgmma
+                      MERGE_TAIL=config.merge_tail,  # PDL as launch_linear_wgmma (x passed into MMA order first)
+                      PDL=2 if SPLIT_PDL and config.split_k > 1 and get_arch(cc).has_pdl else 0)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("out_ptr", "N", "K", "stride_om"))
@@ -1109,13 +1109,16 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
         raise ValueError(f"x2: x_mma_order needs a contiguous bf16 [{M}, {k_stored}], got {x2.dtype} {tuple(x2.shape)}")
     split, per_split = wgmma_split(config, p.words.shape[1])
     # split-K (small batches, where launch gaps weigh most): the pass and the GEMM chained by programmatic
-    # dependent launch, the GEMM requesting its first weights before its wait (not on a pack's first
-    # launch: the kernel before may be the one that wrote it); ``SPLIT_PDL`` says what was measured
-    pdl = SPLIT_PDL and split > 1 and not config.ws and bool(pdl_enabled(out.device))
+    # dependent launch, the GEMM requesting its first weights before its wait (``SPLIT_PDL`` says what was
+    # measured). The pass waits for the kernel before it to complete before it lets the GEMM launch, so
+    # whatever wrote the weights has finished; with x already in MMA order the GEMM follows that kernel
+    # directly, and on a pack's first launch it waits before any load
+    pdl = SPLIT_PDL and split > 1 and bool(pdl_enabled(out.device))
     gemm_pdl = 0
     if pdl:
-        gemm_pdl = 2 if getattr(p.words, "_fp4moe_launched", False) else 1
-        p.words._fp4moe_launched = True
+        gemm_pdl = 2 if not x_mma_order or getattr(p.words, "_fp4moe_launched", False) else 1
+        if x_mma_order:
+            p.words._fp4moe_launched = True
     x_desc = _x_desc(x2 if x_mma_order else mma_order_rows(x2, k_stored, pdl=pdl), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
@@ -1154,11 +1157,12 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
 
 
 #: split-K wgmma launches (M = 17..64) chain the pass into MMA K order and the GEMM by programmatic
-#: dependent launch, the GEMM's first two chunks of weights requested before its wait. H200, GLM-5
-#: shapes at M = 17, 32, 64 (benchmarks/raw/try-wgmma-split-pdl-h200.json): 4-8% faster on all twelve.
-#: The reduction kernel after it launched with PDL too was 8-11% slower on the two large shapes at
-#: M = 17 and 32 (its programs resident and waiting through the GEMM) though 12-17% faster on
-#: 6144x2048, so it launches plainly.
+#: dependent launch, the GEMM's first stages - 2 chunks of weights (two for the runtime's 4-stage
+#: configurations) requested before its wait. H200, GLM-5 shapes at M = 17, 32, 64
+#: (benchmarks/raw/try-wgmma-split-pdl-h200.json, run 3): 3-7% faster on all twelve. The reduction
+#: kernel after it launched with PDL too was 8-12% slower on the two large shapes at M = 17 and 32
+#: (its programs resident and waiting through the GEMM) though 11-17% faster on 6144x2048, so it
+#: launches plainly.
 SPLIT_PDL = True
 
 
