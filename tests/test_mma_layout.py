@@ -101,6 +101,19 @@ def test_decoder_model_gives_the_documented_fragments(fmt):
     assert torch.equal(vals[:N, :K], ref * fold)
 
 
+def test_weights_before_the_pdl_wait_only_after_a_packs_first_launch():
+    """The launchers' shared rule (``_weights_before_wait``): a PDL mode that reads weights before its
+    wait (2, 3) waits first (1) on a pack's first launch, then keeps its mode; modes 0 and 1 pass
+    unchanged and do not count as that first launch; packs are counted apart."""
+    from fp4moe.ops.mma_layout import _weights_before_wait
+
+    w = quantize(torch.randn(32, 64), NVFP4)
+    p, q = pack_mma(w), pack_mma(w)
+    assert [_weights_before_wait(p, m) for m in (0, 1)] == [0, 1]
+    assert [_weights_before_wait(p, 3), _weights_before_wait(p, 3), _weights_before_wait(p, 2)] == [1, 3, 2]
+    assert _weights_before_wait(q, 2) == 1
+
+
 def test_choose_mma_config():
     """Decode splits K over warp groups of one program (one launch, PDL on SM90+), every program
     resident at once, each warp at least two loop steps; K too short for that: the grid split."""

@@ -453,6 +453,21 @@ def _fit_kw(config: MMAConfig, chunks: int) -> tuple[int, int]:
     return kh, kw
 
 
+def _weights_before_wait(p: MMAPackedFP4, pdl: int) -> int:
+    """A launch's PDL mode on ``p``: ``pdl``, except that a mode reading the weights before the wait
+    for the kernel before (2 or 3) becomes 1 on the pack's first launch, since that kernel may be the
+    one that wrote the pack (later launches follow one that has read it)."""
+    if pdl >= 2 and not getattr(p.words, "_fp4moe_launched", False):
+        p.words._fp4moe_launched = True
+        return 1
+    return pdl
+
+
+def _split_pdl(splits: int, has_pdl: bool) -> bool:
+    """Whether a plain wgmma launch of ``splits`` K splits chains its pass and GEMM by PDL (``SPLIT_PDL``)."""
+    return SPLIT_PDL and splits > 1 and has_pdl
+
+
 def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     """The one launch of ``fp4_linear_mma_kw_kernel`` (``config.kw`` > 1): out = x2 @ W^T (+ bias)."""
     import triton
@@ -471,10 +486,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     pdl = config.pdl
     if pdl and not device_arch(p.words.device).has_pdl:
         pdl = 0  # no griddepcontrol before Hopper: an ordinary launch
-    if pdl >= 2 and not getattr(p.words, "_fp4moe_launched", False):
-        # the kernel before this first launch may be the one that wrote the pack: wait before any load
-        pdl = 1
-        p.words._fp4moe_launched = True
+    pdl = _weights_before_wait(p, pdl)
     fp4_linear_mma_kw_kernel[(triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m))](
         p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), out.stride(0),
@@ -1040,7 +1052,7 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
     constexprs = dict(common, REPEATS=config.repeats, SWIGLU=1 if gemm == "gemm1" else 0, ALPHA=0.0, LIMIT=0.0,
                       OUT_MMA_ORDER=out_mma_order, TAIL_M=config.tail_m, PERSISTENT=config.persistent,
                       MERGE_TAIL=config.merge_tail,  # PDL as launch_linear_wgmma (x passed into MMA order first)
-                      PDL=2 if SPLIT_PDL and config.split_k > 1 and get_arch(cc).has_pdl else 0)
+                      PDL=2 if _split_pdl(config.split_k, get_arch(cc).has_pdl) else 0)
     return CompileRequest(kernel="fp4moe.kernels.gemm_wgmma:fp4_gemm_wgmma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=config.stages,
                           divisible_by_16=("out_ptr", "N", "K", "stride_om"))
@@ -1113,12 +1125,10 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
     # measured). The pass waits for the kernel before it to complete before it lets the GEMM launch, so
     # whatever wrote the weights has finished; with x already in MMA order the GEMM follows that kernel
     # directly, and on a pack's first launch it waits before any load
-    pdl = SPLIT_PDL and split > 1 and bool(pdl_enabled(out.device))
+    pdl = _split_pdl(split, bool(pdl_enabled(out.device)))
     gemm_pdl = 0
     if pdl:
-        gemm_pdl = 2 if not x_mma_order or getattr(p.words, "_fp4moe_launched", False) else 1
-        if x_mma_order:
-            p.words._fp4moe_launched = True
+        gemm_pdl = _weights_before_wait(p, 2) if x_mma_order else 2
     x_desc = _x_desc(x2 if x_mma_order else mma_order_rows(x2, k_stored, pdl=pdl), config.block_m)
     tiles_m = triton.cdiv(M, config.block_m)
     unused = p.scales  # pointer arguments the plain variant does not read (Triton needs a tensor)
