@@ -139,6 +139,12 @@ def test_choose_mma_config():
     assert choose_mma_config(16, 4096, 6144).xs == 0  # 6 steps per slice
     assert choose_mma_config(16, 8192, 28672).xs == 0  # the ring would need a second wave
     assert choose_mma_config(16, 6144, 12288, 188, arch="sm120").xs == 0  # 100 KB per SM: one program
+    # with the ring, from SM90 on, the weights go into L2 two steps ahead (measured faster only there)
+    assert [choose_mma_config(M, 6144, 12288).pf for M in (4, 9, 16)] == [0, 2, 2]
+    assert [choose_mma_config(16, 2048, 28672, arch=a).pf for a in ("sm80", "sm89", "sm90", "sm120")] == [0, 0, 2, 2]
+    assert choose_mma_config(16, 2048, 28672, arch="sm80").xs == 2
+    assert all(choose_mma_config(M, N, K).pf == 0 for M in (1, 4, 8, 16)
+               for N, K in ((12288, 6144), (4096, 6144), (6144, 2048), (8192, 28672)))
     # weights of at most a quarter of the L2 are requested into it whole before the PDL wait
     h200_l2 = 60 << 20
     assert [choose_mma_config(1, N, K, l2_bytes=h200_l2).pdl for N, K in ((6144, 2048), (4096, 6144), (8192, 8192))] \
@@ -183,6 +189,13 @@ def test_choose_mma_config():
         replace(c, xa=True)  # ... in registers, not through the ring
     c = replace(c, xs=0, xa=True)
     assert str(c) == "mma_n16_m8_k256_w1_kw8_pdl3_xc_xa" and MMAConfig.parse(str(c)) == c
+    c = MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xs=2, pf=2)
+    assert str(c) == "mma_n16_m16_k256_w1_kw4_pdl2_xs2_pf2" and MMAConfig.parse(str(c)) == c
+    for bad in (9, -1, True, 1.0):
+        with pytest.raises(ValueError, match="pf"):
+            replace(c, pf=bad)
+    with pytest.raises(ValueError, match="pf"):
+        MMAConfig(pf=2)  # a mode of the in-program K split
 
 
 def test_fit_kw_gives_every_slice_whole_steps():
@@ -399,6 +412,48 @@ def test_x_ring_cross_compiles():
             assert -1 < r["wait_at"] < r["first_copy"], r
 
 
+_COMPILE_PF = r"""
+import dataclasses, json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
+from fp4moe.plan.worker import _ptxas, compile_request
+out = []
+for cc, name, K in json.loads(sys.argv[1]):
+    req = mma_compile_request(MMAConfig.parse(name), "nvfp4", cc, K)
+    ptx = compile_request(dataclasses.asdict(req)).asm["ptx"]
+    wait, loop = ptx.find("griddepcontrol.wait"), ptx.find("Inner Loop Header")
+    offsets = [m.start() for m in re.finditer(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)]
+    regs, spills = _ptxas(ptx, cc)[:2]
+    out.append({"pf": req.constexprs["PF"], "prefetches": len(offsets), "wait": wait, "loop": loop,
+                "before_wait": sum(o < wait for o in offsets), "in_loop": sum(o > loop for o in offsets),
+                "registers": regs, "spills": spills})
+print(json.dumps(out))
+"""
+
+
+def test_l2_prefetch_ahead_cross_compiles():
+    """``MMAConfig.pf``: two bulk L2 prefetches (words, scales) per row block before the loop (steps
+    1 .. pf - 1; before the PDL wait with ``pdl`` >= 2, the weights not being the previous kernel's
+    output) and two per row block in the loop, no spills, and for the one-row-block programs the
+    heuristic gives it no more registers than ``KW_REGISTERS`` (the occupancy model) says. Before
+    Hopper the request leaves it out (``cp.async.bulk`` is an SM90 instruction)."""
+    from fp4moe.ops.mma_layout import KW_REGISTERS
+
+    cases = [(90, "mma_n16_m16_k256_w1_kw4_pdl2_xs2_pf2", 12288), (90, "mma_n16_m16_k256_w1_kw8_pdl2_xs2_pf3", 28672),
+             (90, "mma_n32_m16_k256_w1_kw4_pdl_pf2", 6144), (120, "mma_n16_m16_k256_w1_kw4_pdl2_xs2_pf2", 12288),
+             (80, "mma_n16_m16_k256_w1_kw4_xs2_pf2", 12288)]
+    for (cc, name, K), r in zip(cases, run_compile_snippet(_COMPILE_PF, cases)):
+        cfg = MMAConfig.parse(name)
+        if cc < 90:
+            assert r["pf"] == 0 and r["prefetches"] == 0, r
+            continue
+        assert r["pf"] == cfg.pf and r["prefetches"] == 4 * cfg.rb and r["in_loop"] == 2 * cfg.rb, (name, r)
+        assert r["before_wait"] == (2 * cfg.rb if cfg.pdl >= 2 else 0), (name, r)
+        assert r["spills"] == 0, (name, r)
+        if cfg.rb == 1 and cc == 90:
+            assert r["registers"] <= KW_REGISTERS[(False, 16, 1, cfg.kh, cfg.kw)], (name, r)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
@@ -457,6 +512,39 @@ def test_gpu_x_per_chunk_is_bitwise_the_step_form(fmt, M, N, K, pad):
             ys.append(y)
         assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), c
         assert float((ys[1].float() - ref).abs().max() / ref.abs().max()) < 1e-2, c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
+@pytest.mark.parametrize("M,N,K", [(16, 6144, 12288), (9, 2048, 28672), (13, 200, 6112), (3, 4096, 6144),
+                                   (16, 96, 1024)])
+def test_gpu_l2_prefetch_ahead_is_bitwise_without(fmt, M, N, K):
+    """``MMAConfig.pf`` only requests bytes into L2: every output bit for bit that of the same
+    configuration without it, with the ring and without, one and two row blocks (rows past N: the
+    last block's), K padded to the 64-K chunk, steps ahead past the end of a K slice, PDL 1 and 2
+    and a pack's first launch, and the heuristic's own choice."""
+    from dataclasses import replace
+
+    from fp4moe.ops.linear import fp4_linear_reference
+    from fp4moe.ops.mma_layout import launch_linear_mma
+
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = quantize(torch.randn(N, K, device="cuda"), fmt)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    p = pack_mma(w)
+    ref = fp4_linear_reference(x, w, bias).float()
+    chosen = choose_mma_config(M, N, K, fmt=fmt, l2_bytes=60 << 20)
+    configs = [replace(chosen, pf=0), MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xs=2),
+               MMAConfig(rb=2, warps=1, kh=2, block_m=8, kw=4, pdl=1), MMAConfig(rb=1, warps=2, kh=4, block_m=16, kw=2, pdl=2)]
+    for c in configs:  # the first is the heuristic's choice without pf, then its pf (if any) among the others
+        ys = []
+        for pf in (0, 1, 2, 4, 8):
+            y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            launch_linear_mma(x, p, bias, y, replace(c, pf=pf))
+            ys.append(y)
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), c
+        assert float((ys[0].float() - ref).abs().max() / ref.abs().max()) < 1e-2, c
 
 
 @pytest.mark.gpu

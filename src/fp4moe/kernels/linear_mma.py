@@ -115,6 +115,32 @@ def _l2_prefetch(ptrs, nbytes, pred):
 
 
 @gluon.jit
+def _l2_prefetch_runs(wq_ptr, sc_ptr, rb0, rb_max, KC, slice_chunks, c, n_chunks, ok,
+                      WARPS: gl.constexpr, RB: gl.constexpr, S_STEP: gl.constexpr):
+    """``MMAConfig.pf``: lane 0 of each warp requests ``n_chunks`` 64-K chunks from chunk ``c`` of
+    each of its row blocks' words and scales into L2, where ``ok``: two bulk prefetches per row block
+    (each block's run of chunks is contiguous). Warp w owns row blocks rb0 + w % WARPS + r WARPS
+    (r < RB; past rb_max, rb_max) of K slice w // WARPS (``slice_chunks`` chunks each), as
+    ``fp4_linear_mma_kw_kernel``'s w_layout places them. The warp's row block and the addresses are
+    computed in the asm from scalars each time: pointer tensors held across the loop cost 16-26
+    registers per thread (sm_90, ptxas), this none."""
+    for r in gl.static_range(RB):
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .u32 t, w, g, q, b; .reg .u64 a; "
+            "mov.u32 t, %tid.x; and.b32 q, t, 31; setp.eq.u32 p, q, 0; setp.ne.and.u32 p, $1, 0, p; "
+            "shr.u32 w, t, 5; and.b32 g, w, $2; shr.u32 q, w, $3; add.u32 b, $4, g; min.u32 b, b, $5; "
+            "mad.lo.u32 b, b, $6, $8; mad.lo.u32 b, q, $7, b; "
+            "mul.wide.u32 a, b, 512; add.u64 a, a, $9; @p cp.async.bulk.prefetch.L2.global [a], $10; "
+            "mul.wide.u32 a, b, $12; add.u64 a, a, $11; @p cp.async.bulk.prefetch.L2.global [a], $13; "
+            "mov.b32 $0, 0; }",
+            "=r,r,r,r,r,r,r,r,r,l,r,l,r,r",
+            # (c * 0 + a constant: a scalar tensor operand for the asm)
+            [ok.to(gl.int32), c * 0 + (WARPS - 1), c * 0 + (WARPS.bit_length() - 1), rb0 + r * WARPS, rb_max, KC,
+             slice_chunks, c, wq_ptr, n_chunks * 512, sc_ptr, c * 0 + 2 * S_STEP, n_chunks * (2 * S_STEP)],
+            dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _x_ring_fill(x_ring, xc_ptrs, xc_mask, c_first, c_last, KH: gl.constexpr, X_STAGES: gl.constexpr):
     """x's ring before the loop: steps 0 .. X_STAGES - 2 from 64-K chunk ``c_first`` (past ``c_last``
     re-reading it), one copy group each; rows where ``xc_mask`` is false are zero-filled."""
@@ -469,6 +495,7 @@ def fp4_linear_mma_kw_kernel(
     X_STAGES: gl.constexpr,  # 0 or a ring of x steps in shared memory, per K slice (``fp4_linear_mma_kernel``'s)
     XC: gl.constexpr = False,  # x read per 64-K chunk just before its MMA (X_LAYOUT then that of one chunk)
     XA: gl.constexpr = False,  # with XC, x read one chunk ahead of its MMA (two chunks' registers; X_STAGES 0)
+    PF: gl.constexpr = 0,  # > 0 (SM90+): each step requests the weights PF steps ahead into L2 (MMAConfig.pf)
 ):
     """``fp4_linear_mma_kernel`` with K split over the warps of one program instead of over programs:
     KW groups of WARPS warps each sum a K slice of the same BLOCK_N x BLOCK_M tile, and the program
@@ -531,14 +558,22 @@ def fp4_linear_mma_kw_kernel(
         run = gl.minimum(pid_n * NB + p_rb, NRB - 1).to(gl.int64) * KC + p_s * k_chunks_per_slice  # first chunk
         _l2_prefetch(wq_ptr + run * 128 + p_ln * (k_chunks_per_slice * 4), k_chunks_per_slice * 16, p_ln >= 0)
         _l2_prefetch(sc_ptr + run * S_STEP, k_chunks_per_slice * S_STEP * 2, p_ln == 0)
+    if PF > 1:  # steps 1 .. PF - 1, requested before the loop (which requests step PF on)
+        n_pf = gl.minimum((PF - 1) * KH, k_chunks_per_slice - KH)
     if PDL >= 2:  # the weights are not written by the kernel before: their first step is requested early
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
+        if PF > 1:
+            _l2_prefetch_runs(wq_ptr, sc_ptr, pid_n * NB, NRB - 1, KC, k_chunks_per_slice, KH, n_pf, n_pf > 0,
+                              WARPS, RB, S_STEP)
     if PDL != 0:  # nothing the previous kernel writes (x, y's memory) is touched before it completes
         _pdl_enter()
     if PDL < 2:
         w = gl.load(w_ptrs)
         s = gl.load(s_ptrs)
+        if PF > 1:
+            _l2_prefetch_runs(wq_ptr, sc_ptr, pid_n * NB, NRB - 1, KC, k_chunks_per_slice, KH, n_pf, n_pf > 0,
+                              WARPS, RB, S_STEP)
     if X_STAGES > 0:  # as in fp4_linear_mma_kernel, one ring slot [KW, BLOCK_M, BLOCK_K] per step
         TK: gl.constexpr = BLOCK_K // 8
         xc_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_warp=[1, 32 // TK, TK],
@@ -566,6 +601,10 @@ def fp4_linear_mma_kw_kernel(
             x_slot = None
         if not XC:  # the step's x is requested before the next step's weights
             xt = _x_part(x_slot, x_ptrs, x_k, K_X, c0, 0, XK, X_STAGES, EVEN_K, x_layout)
+        if PF > 0:  # the step PF steps ahead into L2
+            c_pf = c0 + PF * KH
+            _l2_prefetch_runs(wq_ptr, sc_ptr, pid_n * NB, NRB - 1, KC, k_chunks_per_slice, c_pf, KH,
+                              c_pf < k_chunks_per_slice, WARPS, RB, S_STEP)
         c_next = gl.minimum(c0 + KH, c_last)
         w_next = gl.load(w_ptrs + c_next * 128)
         s_next = gl.load(s_ptrs + c_next * S_STEP)

@@ -216,7 +216,10 @@ class MMAConfig:
     ``xc`` (with ``kw``): each step's x is read, decoded weights made and MMAs issued one 64-K chunk
     at a time, so x holds a chunk's registers instead of a step's (16 tokens: 16 instead of 64).
     ``xa`` (with ``xc``, x in registers): each chunk's x is requested one chunk ahead of its MMA (two
-    chunks' registers), so its latency hides behind the previous chunk's decode and MMAs."""
+    chunks' registers), so its latency hides behind the previous chunk's decode and MMAs.
+    ``pf`` > 0 (with ``kw``; SM90+, ignored before): each loop step also requests the weights and
+    scales ``pf`` steps ahead into L2 (two bulk prefetches per row block), so that the step's own
+    loads find them there; ``_with_x_ring`` uses it with the x ring."""
 
     rb: int = 1
     warps: int = 4
@@ -228,6 +231,7 @@ class MMAConfig:
     xs: int = 0
     xc: bool = False
     xa: bool = False
+    pf: int = 0
 
     def __post_init__(self) -> None:
         if self.rb not in (1, 2, 4):
@@ -255,6 +259,10 @@ class MMAConfig:
             raise ValueError("MMAConfig.pdl: only the in-program K split (kw > 1) launches with PDL")
         if self.xc and self.kw == 1:
             raise ValueError("MMAConfig.xc: x per chunk is a mode of the in-program K split (kw > 1)")
+        if type(self.pf) is not int or not 0 <= self.pf <= 8:
+            raise ValueError(f"MMAConfig.pf: expected 0..8 steps ahead, got {self.pf!r}")
+        if self.pf and self.kw == 1:
+            raise ValueError("MMAConfig.pf: weights into L2 ahead is a mode of the in-program K split (kw > 1)")
         if self.xa and not (self.xc and self.xs == 0):
             raise ValueError("MMAConfig.xa: x a chunk ahead is a mode of x per chunk in registers (xc, xs = 0)")
 
@@ -269,18 +277,19 @@ class MMAConfig:
         xs = f"_xs{self.xs}" if self.xs else ""
         xc = "_xc" if self.xc else ""
         xc += "_xa" if self.xa else ""
-        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}{xc}"
+        pf = f"_pf{self.pf}" if self.pf else ""
+        return f"mma_n{self.block_n}_m{self.block_m}_k{64 * self.kh}_w{self.warps}{split}{kw}{pdl}{xs}{xc}{pf}"
 
     @classmethod
     def parse(cls, name: str) -> MMAConfig:
         """The configuration ``str`` names (benchmark and sweep records), e.g. ``mma_n16_m8_k256_w1_kw4_pdl2``."""
-        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?(_xc)?(_xa)?", name)
+        m = re.fullmatch(r"mma_n(\d+)_m(\d+)_k(\d+)_w(\d+)(?:_split(\d+))?(?:_kw(\d+))?(_pdl[23]?)?(?:_xs(\d+))?(_xc)?(_xa)?(?:_pf(\d))?", name)
         if not m or int(m[1]) % (16 * int(m[4])) or int(m[3]) % 64:
             raise ValueError(f"MMAConfig.parse: not a configuration name: {name!r}")
         n, bm, k, w = (int(g) for g in m.groups()[:4])
         return cls(rb=n // (16 * w), warps=w, kh=k // 64, block_m=bm, split_k=int(m[5] or 1), kw=int(m[6] or 1),
                    pdl={None: 0, "_pdl": 1, "_pdl2": 2, "_pdl3": 3}[m[7]], xs=int(m[8] or 0),
-                   xc=bool(m[9]), xa=bool(m[10]))
+                   xc=bool(m[9]), xa=bool(m[10]), pf=int(m[11] or 0))
 
 
 #: the largest batch the MMA-layout kernel takes; wider batches use the Triton kernel (measured on the
@@ -412,6 +421,17 @@ def coresident_rule(mx: bool, block_m: int, pdl3: bool) -> bool:
 
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring
 X_RING_MIN_STEPS = 12
+#: steps ahead at which decode programs with the x ring request their weights into L2 (``MMAConfig.pf``;
+#: SM90). H200, session 24 (scripts/sweep_linear_configs.py, benchmarks/raw/try-l2-prefetch-xring-h200.json):
+#: faster at all 24 points where the ring is the runtime's choice (M = 9, 12, 16; six NVFP4 shapes and
+#: two MXFP4): 6144x12288 3.1-4.9%, 5120x12288 / 6144x28672 / 4096x25600 1.3-5.5%, 2048x28672 and
+#: 1024x25600 17.6-22.1%, MXFP4 12288x6144 / 12288x12288 0.3-3.8%; 1 and 3 steps ahead less so.
+#: Without the ring it was slower almost everywhere (12288x6144 at M = 1 12.8 -> 15.2 us, the MoE
+#: decode GEMMs 1-16%; benchmarks/raw/try-l2-prefetch-{linear,moe}-h200.json), so it is used nowhere
+#: else: the ring's per-step barrier makes each step wait for its slowest warp's weights, which the
+#: prefetch makes shorter, where warps running freely hide that latency among themselves (an
+#: explanation that fits, not measured apart).
+X_RING_PREFETCH_STEPS = 2
 
 
 def _with_x_ring(c: MMAConfig, M: int, N: int, chunks: int, sm_count: int, mx: bool, arch: Arch) -> MMAConfig:
@@ -419,8 +439,13 @@ def _with_x_ring(c: MMAConfig, M: int, N: int, chunks: int, sm_count: int, mx: b
     benchmarks/raw/sweep-linear-xring-h200.json): 16-token programs of one 16-row block (their x
     step is 4x their weight step) whose K slices run at least ``X_RING_MIN_STEPS`` steps and whose
     grid stays one wave with the ring's shared memory: GLM-5's 6144x12288 at M = 9..16, 5-17% faster.
-    Elsewhere it measured slower (up to 30% on 8192x8192, a second wave) or within 3%, and never
-    faster at 8 tokens per program or in the MoE GEMMs, so it stays off there."""
+    Elsewhere it measured slower (up to 30% on 8192x8192, a second wave) or within 3%, and not
+    faster in the MoE GEMMs, so it stays off there. At 8 tokens per program it was slower on GLM-5's
+    shapes (session 12) and in session 24 faster on two of five other shapes (5120x25600 +23%,
+    4096x14336 +15%) and 7-39% slower on three (6144x12288 at M = 8 among them), which the one-wave
+    test does not tell apart (``benchmarks/raw/try-l2-prefetch-linear-other-shapes-h200.json``), so
+    it stays off there too. With the ring, on SM90, the weights also go into L2
+    ``X_RING_PREFETCH_STEPS`` steps ahead (``MMAConfig.pf``)."""
     if c.block_m != 16 or c.rb != 1 or c.warps != 1 or chunks // (c.kh * c.kw) < X_RING_MIN_STEPS:
         return c
     ring = 2 * c.kw * c.block_m * c.kh * KCHUNK * 2
@@ -429,7 +454,7 @@ def _with_x_ring(c: MMAConfig, M: int, N: int, chunks: int, sm_count: int, mx: b
                               smem_bytes=max(ring, c.kw * 16 * c.block_m * 4))
     if -(-N // c.block_n) * -(-M // c.block_m) > per_sm * sm_count:
         return c
-    return replace(c, xs=2)
+    return replace(c, xs=2, pf=X_RING_PREFETCH_STEPS if arch.has_pdl else 0)
 
 
 def _split(config: MMAConfig, chunks: int) -> tuple[int, int, int]:
@@ -483,10 +508,9 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     kh, kw = _fit_kw(config, chunks)
     mx = p.fmt is not NVFP4
     unused = p.scales
-    pdl = config.pdl
-    if pdl and not device_arch(p.words.device).has_pdl:
-        pdl = 0  # no griddepcontrol before Hopper: an ordinary launch
-    pdl = _weights_before_wait(p, pdl)
+    arch = device_arch(p.words.device)
+    sm90 = arch is not None and arch.has_pdl  # griddepcontrol and cp.async.bulk.prefetch.L2: from Hopper on
+    pdl = _weights_before_wait(p, config.pdl if sm90 else 0)  # before Hopper: an ordinary launch
     fp4_linear_mma_kw_kernel[(triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m))](
         p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), out.stride(0),
@@ -495,7 +519,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout_kw(config.block_m, 1 if config.xc else kh, config.warps, kw), XC=config.xc,
         XA=config.xa, EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
-        num_warps=config.warps * kw, launch_pdl=pdl > 0,
+        PF=config.pf if sm90 else 0, num_warps=config.warps * kw, launch_pdl=pdl > 0,
     )
     return out
 
@@ -583,7 +607,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
                                     "args": [config.block_m, 1 if config.xc else kh, config.warps, kw]},
                           EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0,
-                          X_STAGES=config.xs if chunks * KCHUNK == K else 0, XC=config.xc, XA=config.xa)
+                          X_STAGES=config.xs if chunks * KCHUNK == K else 0, XC=config.xc, XA=config.xa,
+                          PF=config.pf if get_arch(cc).has_pdl else 0)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
