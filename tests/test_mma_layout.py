@@ -139,6 +139,15 @@ def test_choose_mma_config():
     assert choose_mma_config(16, 4096, 6144).xs == 0  # 6 steps per slice
     assert choose_mma_config(16, 8192, 28672).xs == 0  # the ring would need a second wave
     assert choose_mma_config(16, 6144, 12288, 188, arch="sm120").xs == 0  # 100 KB per SM: one program
+    # ties on bytes in flight: 8-token programs of weights streamed from DRAM with >= 3 row blocks per
+    # SM take more warps of shorter steps (measured on the H200); 5120 rows, 16 tokens, weights that
+    # go into L2 first and GLM-5's shapes keep longer steps
+    assert str(choose_mma_config(1, 8192, 25600)) == "mma_n16_m8_k128_w1_kw8_pdl2"
+    assert str(choose_mma_config(4, 8192, 14336, fmt="mxfp4")) == "mma_n16_m8_k128_w1_kw8_pdl2"
+    assert str(choose_mma_config(1, 5120, 25600)) == "mma_n16_m8_k256_w1_kw4_pdl2"
+    assert choose_mma_config(16, 8192, 25600).kh == 4
+    assert str(choose_mma_config(1, 1024, 25600, l2_bytes=60 << 20)) == "mma_n16_m8_k256_w1_kw4_pdl3"
+    assert str(choose_mma_config(1, 8192, 25600, 200)) == "mma_n16_m8_k256_w1_kw4_pdl2"  # 2.6 blocks per SM
     # with the ring, from SM90 on, the weights go into L2 two steps ahead (measured faster only there)
     assert [choose_mma_config(M, 6144, 12288).pf for M in (4, 9, 16)] == [0, 2, 2]
     assert [choose_mma_config(16, 2048, 28672, arch=a).pf for a in ("sm80", "sm89", "sm90", "sm120")] == [0, 0, 2, 2]
@@ -461,7 +470,7 @@ def test_l2_prefetch_ahead_cross_compiles():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 @pytest.mark.parametrize("M,N,K", [(1, 64, 256), (3, 80, 320), (16, 200, 1024), (5, 48, 64), (13, 4096, 6144),
-                                   (8, 6144, 2048)])
+                                   (8, 6144, 2048), (1, 8192, 25600)])  # the last: the warps-first tie-break
 def test_gpu_kernel_matches_reference(fmt, M, N, K):
     from fp4moe.ops.mma_layout import launch_linear_mma
 

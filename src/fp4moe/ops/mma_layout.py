@@ -330,6 +330,17 @@ KW_REGISTERS_XC = {
     (True, 1, 4, 2): 66, (True, 1, 4, 4): 66, (True, 1, 4, 8): 66, (True, 2, 2, 2): 72, (True, 2, 2, 4): 72,
     (True, 2, 2, 8): 78, (True, 2, 4, 2): 128, (True, 2, 4, 4): 128, (True, 2, 4, 8): 128,
 }
+#: 16-row blocks per SM from which ``choose_mma_config`` breaks ties on bytes in flight by more
+#: resident warps before longer steps, for 8-token programs whose weight streams from DRAM (not
+#: ``pdl`` = 3): typically 8 warps of 128-K steps instead of 4 warps of 256-K steps. Session 7 fitted
+#: the other order on GLM-5's NVFP4 shapes, which this leaves as they were. H200, session 24
+#: (scripts/sweep_linear_configs.py, benchmarks/raw/try-decode-tiebreak-h200.json, 75 points where
+#: the order matters, M = 1..16, both formats): at >= 3 blocks per SM (N >= 6,336) every point
+#: measured was faster or level, 0.99-1.44x (24 points, geometric mean 1.14x; 8192x25600 M = 1 45.1 -> 32.5 us,
+#: MXFP4 8192x14336 M = 1 23.2 -> 19.8); at 2.4-2.9 blocks per SM (N = 5120, 6144) mixed, 0.83-1.18x
+#: (MXFP4 5120x7168 M = 8 9.7 -> 11.6 us, MXFP4 6144x12288 M = 1 faster); at 16-token programs and
+#: for weights requested into L2 first, mostly slower (GLM-5's 4096x6144 at M = 16 0.75x).
+WARPS_FIRST_BLOCKS_PER_SM = 3
 #: weight bytes in flight per SM that the decode heuristic aims for (Little's law at ~4.3 TB/s over
 #: 132 SMs and ~1.2 us of loaded DRAM latency)
 DECODE_INFLIGHT_BYTES = 40_000
@@ -342,7 +353,8 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     scripts/sweep_decode_kw.py): every program resident at once (one wave, from
     ``KW_REGISTERS``), then the most weight bytes in flight per SM up to
     ``DECODE_INFLIGHT_BYTES`` (one loop step per warp is in flight while the previous one decodes),
-    then (ties) longer steps, then more resident warps. Each warp runs at least 2 loop steps (4 for 16-token programs,
+    then (ties) longer steps, then more resident warps (the other way round for 8-token programs
+    of large weights, ``WARPS_FIRST_BLOCKS_PER_SM``). Each warp runs at least 2 loop steps (4 for 16-token programs,
     whose x fragments cost more per step). 8 tokens per program at M <= 8, 16 above. Occupancy
     limits and PDL from the catalogue entry of ``arch`` (default SM90, where the model was fitted).
     Weights of at most ``PDL_L2_SHARE`` of the L2 (``l2_bytes``; default that of the catalogue's
@@ -360,6 +372,9 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
     l2 = l2_bytes or int(default_gpu(arch).l2_mib * 2**20)
     pdl3 = arch.has_pdl and weight_bytes <= PDL_L2_SHARE * l2
     coresident = coresident_rule(mx, block_m, pdl3)
+    # ties on bytes in flight: more resident warps before longer steps for 8-token programs of a
+    # weight streamed from DRAM with at least WARPS_FIRST_BLOCKS_PER_SM row blocks per SM
+    warps_first = block_m == 8 and not pdl3 and -(-N // ROWS) >= WARPS_FIRST_BLOCKS_PER_SM * sm_count
     best, best_score = None, None
     for rb in (1, 2):
         for kh in (2, 4):
@@ -375,7 +390,8 @@ def choose_mma_config(M: int, N: int, K: int, sm_count: int = 132, *, fmt: FP4Fo
                     inflight = min(resident * kw * rb * kh * 512, DECODE_INFLIGHT_BYTES)
                     # the next launch's programs fit beside this one's (each SM's share twice)
                     twice = not coresident or 2 * -(-programs // sm_count) <= per_sm
-                    score = (programs <= per_sm * sm_count, twice, inflight, kh, resident * kw, not xc)
+                    ties = (resident * kw, kh) if warps_first else (kh, resident * kw)
+                    score = (programs <= per_sm * sm_count, twice, inflight, *ties, not xc)
                     if best_score is None or score > best_score:
                         best, best_score = MMAConfig(rb=rb, warps=1, kh=kh, block_m=block_m, kw=kw,
                                                      pdl=(3 if pdl3 else 2) if arch.has_pdl else 0, xc=xc), score
