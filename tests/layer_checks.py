@@ -30,11 +30,9 @@ def run_compile_snippet(code: str, cases, timeout: float = 600):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def check_packed_linear(launch, configs, fmt, M, N, K):
-    """``launch(x, packed, bias, y, cfg)`` (a packed-layout linear launcher) writes every element of
-    y, finite and within 1e-2 of the reference, and a second launch the same bits (for a PDL
-    configuration the second is the one that requests weights before waiting), for each of
-    ``configs``."""
+def packed_linear_case(fmt, M, N, K):
+    """(x [M, K] bf16, the weight [N, K] in ``fmt``, its MMA-order pack, a bf16 bias, the reference
+    output in fp32) on the GPU, from seed 0."""
     from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import pack_mma
     from fp4moe.quantize import quantize
@@ -43,8 +41,15 @@ def check_packed_linear(launch, configs, fmt, M, N, K):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     w = quantize(torch.randn(N, K, device="cuda"), fmt)
     bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    p = pack_mma(w)
-    ref = fp4_linear_reference(x, w, bias).float()
+    return x, w, pack_mma(w), bias, fp4_linear_reference(x, w, bias).float()
+
+
+def check_packed_linear(launch, configs, fmt, M, N, K):
+    """``launch(x, packed, bias, y, cfg)`` (a packed-layout linear launcher) writes every element of
+    y, finite and within 1e-2 of the reference, and a second launch the same bits (for a PDL
+    configuration the second is the one that requests weights before waiting), for each of
+    ``configs``."""
+    x, _, p, bias, ref = packed_linear_case(fmt, M, N, K)
     for cfg in configs:
         y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
         launch(x, p, bias, y, cfg)

@@ -21,7 +21,7 @@ from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
                                    unpack_mma)
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
 from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants,
-                          run_compile_snippet)
+                          packed_linear_case, run_compile_snippet)
 from ptx_interp import bf16_to_float, run_ptx
 
 # (activation, interleaved, per-row globals, bias)
@@ -534,15 +534,9 @@ def test_gpu_l2_prefetch_ahead_is_bitwise_without(fmt, M, N, K):
     and a pack's first launch, and the heuristic's own choice."""
     from dataclasses import replace
 
-    from fp4moe.ops.linear import fp4_linear_reference
     from fp4moe.ops.mma_layout import launch_linear_mma
 
-    torch.manual_seed(0)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = quantize(torch.randn(N, K, device="cuda"), fmt)
-    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    p = pack_mma(w)
-    ref = fp4_linear_reference(x, w, bias).float()
+    x, _, p, bias, ref = packed_linear_case(fmt, M, N, K)
     chosen = choose_mma_config(M, N, K, fmt=fmt, l2_bytes=60 << 20)
     configs = [replace(chosen, pf=0), MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xs=2),
                MMAConfig(rb=2, warps=1, kh=2, block_m=8, kw=4, pdl=1), MMAConfig(rb=1, warps=2, kh=4, block_m=16, kw=2, pdl=2)]
