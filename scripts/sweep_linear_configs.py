@@ -3,7 +3,8 @@ benchmark records print them) on GLM-5 shapes, against the runtime's own choice,
 against the reference first. Weights rotate past the L2 as in ``fp4moe bench linear``; ``--repeat``
 times every configuration R times round-robin. GPU only; ``--dry-run`` lists the runs (CPU).
 ``default_xs2``, ``default_pdl3``, ``default_pdl3_xs2``, ``default_xc``, ``default_xs2_xc``, ``default_xc_xa``
-(x a chunk ahead, without the ring), ``default_pf2`` (weights two steps ahead into L2) name the runtime's choice with those fields replaced. Checks record
+(x a chunk ahead, without the ring), ``default_pf2`` (weights two steps ahead into L2) name the runtime's
+choice with those fields replaced. Checks record
 whether each output is bitwise the default's (None where the default itself failed).
 Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
 [--shapes 12288x6144,6144x12288] [--fmt nvfp4|mxfp4] [--repeat R] [--out DIR] [--dry-run]"""

@@ -539,7 +539,8 @@ def test_gpu_l2_prefetch_ahead_is_bitwise_without(fmt, M, N, K):
     x, _, p, bias, ref = packed_linear_case(fmt, M, N, K)
     chosen = choose_mma_config(M, N, K, fmt=fmt, l2_bytes=60 << 20)
     configs = [replace(chosen, pf=0), MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xs=2),
-               MMAConfig(rb=2, warps=1, kh=2, block_m=8, kw=4, pdl=1), MMAConfig(rb=1, warps=2, kh=4, block_m=16, kw=2, pdl=2)]
+               MMAConfig(rb=2, warps=1, kh=2, block_m=8, kw=4, pdl=1),
+               MMAConfig(rb=1, warps=2, kh=4, block_m=16, kw=2, pdl=2)]
     for c in configs:  # the first is the heuristic's choice without pf, then its pf (if any) among the others
         ys = []
         for pf in (0, 1, 2, 4, 8):
