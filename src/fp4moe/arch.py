@@ -75,7 +75,7 @@ class Arch:
     max_threads_per_sm: int  # resident threads per SM
     fp4_mma: FP4MMA
     bf16_mma: BF16MMA
-    has_tma: bool  # bulk tensor copies (cp.async.bulk.tensor)
+    has_tma: bool  # bulk copies (cp.async.bulk.tensor, and cp.async.bulk.prefetch.L2)
     has_pdl: bool  # programmatic dependent launch (griddepcontrol.wait / launch_dependents)
     has_multicast: bool  # TMA multicast to the CTAs of a cluster
     max_cluster_size: int  # portable cluster size fp4moe may plan for (1: no clusters)

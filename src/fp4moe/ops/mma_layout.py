@@ -217,9 +217,9 @@ class MMAConfig:
     at a time, so x holds a chunk's registers instead of a step's (16 tokens: 16 instead of 64).
     ``xa`` (with ``xc``, x in registers): each chunk's x is requested one chunk ahead of its MMA (two
     chunks' registers), so its latency hides behind the previous chunk's decode and MMAs.
-    ``pf`` > 0 (with ``kw``; SM90+, ignored before): each loop step also requests the weights and
-    scales ``pf`` steps ahead into L2 (two bulk prefetches per row block), so that the step's own
-    loads find them there; ``_with_x_ring`` uses it with the x ring."""
+    ``pf`` > 0 (with ``kw``; ignored without bulk copies, ``Arch.has_tma``): each loop step also
+    requests the weights and scales ``pf`` steps ahead into L2 (two bulk prefetches per row block),
+    so that the step's own loads find them there; ``_with_x_ring`` uses it with the x ring."""
 
     rb: int = 1
     warps: int = 4
@@ -438,15 +438,16 @@ def coresident_rule(mx: bool, block_m: int, pdl3: bool) -> bool:
 #: K steps per slice from which 16-token decode programs take x through the shared-memory ring
 X_RING_MIN_STEPS = 12
 #: steps ahead at which decode programs with the x ring request their weights into L2 (``MMAConfig.pf``;
-#: SM90). H200, session 24 (scripts/sweep_linear_configs.py, benchmarks/raw/try-l2-prefetch-xring-h200.json):
-#: faster at all 24 points where the ring is the runtime's choice (M = 9, 12, 16; six NVFP4 shapes and
-#: two MXFP4): 6144x12288 3.1-4.9%, 5120x12288 / 6144x28672 / 4096x25600 1.3-5.5%, 2048x28672 and
-#: 1024x25600 17.6-22.1%, MXFP4 12288x6144 / 12288x12288 0.3-3.8%; 1 and 3 steps ahead less so.
-#: Without the ring it was slower almost everywhere (12288x6144 at M = 1 12.8 -> 15.2 us, the MoE
-#: decode GEMMs 1-16%; benchmarks/raw/try-l2-prefetch-{linear,moe}-h200.json), so it is used nowhere
-#: else: the ring's per-step barrier makes each step wait for its slowest warp's weights, which the
-#: prefetch makes shorter, where warps running freely hide that latency among themselves (an
-#: explanation that fits, not measured apart).
+#: GPUs with bulk copies, ``Arch.has_tma``). H200, session 24 (scripts/sweep_linear_configs.py,
+#: benchmarks/raw/try-l2-prefetch-xring-h200.json): faster at all 24 points where the ring is the
+#: runtime's choice (M = 9, 12, 16; six NVFP4 shapes and two MXFP4): 6144x12288 3.1-4.9%,
+#: 5120x12288 / 6144x28672 / 4096x25600 1.3-5.5%, 2048x28672 and 1024x25600 17.6-22.1%, MXFP4
+#: 12288x6144 / 12288x12288 0.3-3.8%; 1 and 3 steps ahead less so. Without the ring it was slower
+#: almost everywhere (12288x6144 at M = 1 12.8 -> 15.2 us, the MoE decode GEMMs 1-16%;
+#: benchmarks/raw/try-l2-prefetch-{linear,moe}-h200.json), so it is used nowhere else: the ring's
+#: per-step barrier makes each step wait for its slowest warp's weights, which the prefetch makes
+#: shorter, where warps running freely hide that latency among themselves (an explanation that
+#: fits, not measured apart).
 X_RING_PREFETCH_STEPS = 2
 
 
@@ -470,7 +471,7 @@ def _with_x_ring(c: MMAConfig, M: int, N: int, chunks: int, sm_count: int, mx: b
                               smem_bytes=max(ring, c.kw * 16 * c.block_m * 4))
     if -(-N // c.block_n) * -(-M // c.block_m) > per_sm * sm_count:
         return c
-    return replace(c, xs=2, pf=X_RING_PREFETCH_STEPS if arch.has_pdl else 0)
+    return replace(c, xs=2, pf=X_RING_PREFETCH_STEPS if arch.has_tma else 0)
 
 
 def _split(config: MMAConfig, chunks: int) -> tuple[int, int, int]:
@@ -525,8 +526,8 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     mx = p.fmt is not NVFP4
     unused = p.scales
     arch = device_arch(p.words.device)
-    sm90 = arch is not None and arch.has_pdl  # griddepcontrol and cp.async.bulk.prefetch.L2: from Hopper on
-    pdl = _weights_before_wait(p, config.pdl if sm90 else 0)  # before Hopper: an ordinary launch
+    has_pdl = arch is not None and arch.has_pdl  # griddepcontrol
+    pdl = _weights_before_wait(p, config.pdl if has_pdl else 0)  # without it: an ordinary launch
     fp4_linear_mma_kw_kernel[(triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m))](
         p.words, p.scales.view(torch.int16), x2, p.global_scale if p.global_scale is not None else unused,
         bias if bias is not None else unused, out, M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), out.stride(0),
@@ -535,7 +536,8 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         DECODE=DECODE_ASM, SCALE=scale_asm(mx),
         X_LAYOUT=x_layout_kw(config.block_m, 1 if config.xc else kh, config.warps, kw), XC=config.xc,
         XA=config.xa, EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
-        PF=config.pf if sm90 else 0, num_warps=config.warps * kw, launch_pdl=pdl > 0,
+        PF=config.pf if arch is not None and arch.has_tma else 0,  # cp.async.bulk.prefetch.L2: bulk-copy GPUs
+        num_warps=config.warps * kw, launch_pdl=pdl > 0,
     )
     return out
 
@@ -624,7 +626,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                                     "args": [config.block_m, 1 if config.xc else kh, config.warps, kw]},
                           EVEN_K=chunks * KCHUNK == K, PDL=config.pdl if get_arch(cc).has_pdl else 0,
                           X_STAGES=config.xs if chunks * KCHUNK == K else 0, XC=config.xc, XA=config.xa,
-                          PF=config.pf if get_arch(cc).has_pdl else 0)
+                          PF=config.pf if get_arch(cc).has_tma else 0)
         return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kw_kernel", signature=signature,
                               constexprs=constexprs, cc=cc, num_warps=config.warps * kw, num_stages=1,
                               divisible_by_16=divisible)
