@@ -139,6 +139,15 @@ def test_write_results(tmp_path):
     assert "`fp4moe bench linear --m 1,4`" in md and "copy_gbs: 4300" in md
     write_results("linear", env, _rows()[:1], tmp_path / "benchmarks", ceilings=ceilings)  # overwrites
     assert len(json.loads(json_path.read_text())["rows"]) == 1
+    assert "FP4MOE_ARCH" not in md
+
+
+def test_write_results_of_another_architectures_kernels(tmp_path):
+    """A run under FP4MOE_ARCH is written beside the GPU's own results, never over them, and says so."""
+    env = {**environment(), "gpu": "NVIDIA H200", "kernels_arch": "sm80"}
+    json_path, md_path = write_results("linear", env, _rows(), tmp_path)
+    assert json_path.name == "linear-h200-sm80-kernels.json" and md_path.name == "linear-h200-sm80-kernels.md"
+    assert "- kernels: sm80's (FP4MOE_ARCH)" in md_path.read_text()
 
 
 def test_one_line():

@@ -42,6 +42,7 @@ __all__ = [
     "as_dict",
     "compare",
     "detect",
+    "emulation_gaps",
     "find_gpu",
     "get_arch",
     "resolve_target",
@@ -301,6 +302,33 @@ def arch_for_capability(cc: tuple[int, int]) -> Arch:
         f"arch_for_capability: compute capability {major}.{minor} (sm{major}{minor}) is not supported: "
         f"{reason}; known archs: {_known_archs()}"
     )
+
+
+def emulation_gaps(target: Arch, device: Arch) -> tuple[str, ...]:
+    """What ``device`` lacks to run ``target``'s kernels: compiled as Triton compiles for ``target``
+    (its lowering, the configurations fp4moe chooses for it) but assembled for ``device``. Empty
+    where it can (``FP4MOE_ARCH``, ``fp4moe.ops._runtime.runtime_arch``). Native FP4 MMA is not
+    listed: W4A16 and emulated W4A4 run without it, and the runtime refuses native W4A4 on its own
+    (``check_native_fp4``).
+
+    The instructions an architecture's code may use are its catalogue fields; the limits a launch
+    planned for it may reach (shared memory per block, registers, cluster size) must not exceed
+    the device's."""
+    gaps = []
+    if target.bf16_mma != "mma.sync" and target.bf16_mma != device.bf16_mma:  # mma.sync exists from sm_80
+        gaps.append(f"{target.bf16_mma} bf16 MMA ({target.name}'s dot products; {device.name} has {device.bf16_mma})")
+    if target.has_tmem and not device.has_tmem:
+        gaps.append("tensor memory (tcgen05)")
+    for flag, what in (("has_tma", "bulk copies (TMA)"), ("has_pdl", "programmatic dependent launch"),
+                       ("has_multicast", "TMA multicast"), ("has_xorsign_abs_max", "max.xorsign.abs")):
+        if getattr(target, flag) and not getattr(device, flag):
+            gaps.append(what)
+    # limits a launch fails beyond (occupancy assumptions such as threads per SM only change speed)
+    for limit, what in (("smem_per_block_optin", "shared memory per block"), ("regs_per_sm", "registers per SM"),
+                        ("max_cluster_size", "cluster size")):
+        if getattr(target, limit) > getattr(device, limit):
+            gaps.append(f"{what} ({getattr(target, limit):,} against {getattr(device, limit):,})")
+    return tuple(gaps)
 
 
 # "sm_120", "sm120", "sm_100a", "compute_90", "120" ... and "12.0".

@@ -166,13 +166,15 @@ def run_linear_bench(
     import torch
 
     from .. import arch
+    from ..ops._runtime import runtime_arch
     from ..quantize import quantize
 
     fmt = get_format(fmt).name
     console = console or Console()
     ceilings = ceilings if ceilings is not None else bench_ceilings()
     detected = arch.detect()
-    chip = detected.arch if detected else None
+    # the architecture whose kernels run (FP4MOE_ARCH may name another than the GPU's)
+    chip = runtime_arch(torch.device("cuda")) if detected else None
     sm_count = detected.sm_count if detected else None
     l2 = int(ceilings.get("l2_bytes") or l2_bytes())
     gen = torch.Generator(device="cuda").manual_seed(seed)

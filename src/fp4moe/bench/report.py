@@ -37,13 +37,19 @@ def _gpu() -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        return {"gpu": None, "capability": None, "sm_count": None, "memory_gib": None, "l2_bytes": None,
-                "driver": None}
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return {"gpu": None, "capability": None, "kernels_arch": None, "sm_count": None, "memory_gib": None,
+                "l2_bytes": None, "driver": None}
+    from ..ops._runtime import device_capability_arch, runtime_arch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    props = torch.cuda.get_device_properties(device)
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])  # same for every GPU
+    kernels = runtime_arch(device)
     return {
         "gpu": props.name,
         "capability": f"{props.major}.{props.minor}",
+        # FP4MOE_ARCH: another architecture's kernels on this GPU (None: the GPU's own)
+        "kernels_arch": None if kernels == device_capability_arch(device) else kernels.name,
         "sm_count": props.multi_processor_count,
         "memory_gib": round(props.total_memory / 2**30, 1),
         "l2_bytes": int(getattr(props, "L2_cache_size", 0)) or None,
@@ -121,6 +127,8 @@ def markdown(name: str, env: Mapping[str, Any], ceilings: Mapping[str, Any], row
         f"# {name} on {env.get('gpu') or 'no GPU'}",
         "",
         f"- GPU: {env.get('gpu')} (sm {env.get('capability')}, {env.get('sm_count')} SMs), driver {env.get('driver')}",
+        *([f"- kernels: {env['kernels_arch']}'s (FP4MOE_ARCH), lowered by Triton for it and assembled for this GPU"]
+          if env.get("kernels_arch") else []),
         f"- versions: fp4moe {env.get('fp4moe')}, torch {env.get('torch')} (CUDA {env.get('cuda')}), "
         f"triton {env.get('triton')}, python {env.get('python')}",
         f"- commit: {env.get('commit')}{dirty}",
@@ -150,7 +158,7 @@ def write_results(
     """Write ``<out_dir>/<name>-<gpu-slug>.json`` and ``.md``; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{name}-{gpu_slug(env.get('gpu'))}"
+    stem = f"{name}-{gpu_slug(env.get('gpu'))}" + (f"-{env['kernels_arch']}-kernels" if env.get("kernels_arch") else "")
     ceilings = dict(ceilings or {})
     json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
     payload = {"environment": dict(env), "ceilings": ceilings, "rows": [dict(r) for r in rows]}

@@ -88,6 +88,89 @@ def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> N
                 f"into the layer's output) or use NVFP4")
 
 
+#: Names a catalogued architecture (``sm80``, ``sm89``, ``sm120`` ...) whose kernels the process runs
+#: on the GPU in hand: the configurations and paths fp4moe chooses for it, compiled through Triton's
+#: lowering for it (``TRITON_OVERRIDE_ARCH``) and assembled for the device. For running another
+#: generation's code on silicon where only a newer GPU is at hand (``runtime_arch``); read once per
+#: process, by the first op that chooses a path or a launch (every launcher asks ``runtime_arch``
+#: or ``pdl_enabled`` before its first kernel compiles).
+ARCH_ENV = "FP4MOE_ARCH"
+
+_requested: list[str] = []  # the first value of ARCH_ENV this process read ("" when unset)
+
+
+def requested_arch():
+    """The architecture ``FP4MOE_ARCH`` names, or None when it is unset; the value is fixed at its
+    first read (Triton caches kernels per process, so a change later would mix architectures)."""
+    from ..arch import get_arch
+
+    value = os.environ.get(ARCH_ENV, "").strip()
+    if not _requested:
+        _requested.append(value)
+    elif value != _requested[0]:
+        raise RuntimeError(f"{ARCH_ENV} changed from {_requested[0]!r} to {value!r} in this process; it applies to "
+                           f"a whole process: set it before starting Python")
+    if not value:
+        return None
+    try:
+        arch = get_arch(value)
+    except ValueError as err:
+        raise ValueError(f"{ARCH_ENV}={value!r}: {err}") from None
+    _lower_for(arch)
+    return arch
+
+
+def _lower_for(arch) -> None:
+    """Make Triton lower every kernel of this process for ``arch`` (the PTX still targets the device)."""
+    from triton import knobs
+
+    current = knobs.runtime.override_arch
+    if current not in (None, "", arch.name):
+        raise ValueError(f"{ARCH_ENV}={arch.name} but TRITON_OVERRIDE_ARCH={current}: unset one of them")
+    if current != arch.name:
+        knobs.runtime.override_arch = arch.name
+
+
+def device_capability_arch(device: torch.device):
+    """The catalogue architecture of the CUDA device itself, whatever ``FP4MOE_ARCH`` says."""
+    from ..arch import arch_for_capability
+
+    return arch_for_capability(torch.cuda.get_device_capability(device))
+
+
+def runtime_arch(device: torch.device):
+    """The architecture whose kernels run on ``device``: None off CUDA (the interpreter); else the
+    device's own, or the one ``FP4MOE_ARCH`` names where the device can run that architecture's
+    code (``arch.emulation_gaps``: e.g. sm80, sm89 or sm120 W4A16 on an H200; never one that needs
+    wgmma, tcgen05, TMA or PDL the device lacks, nor more shared memory). The launch sizes (SM
+    count, L2) stay the device's."""
+    if device.type != "cuda":
+        return None
+    from ..arch import emulation_gaps
+
+    own = device_capability_arch(device)
+    wanted = requested_arch()
+    if wanted is None or wanted == own:
+        return own
+    gaps = emulation_gaps(wanted, own)
+    if gaps:
+        raise ValueError(f"{ARCH_ENV}={wanted.name}: {torch.cuda.get_device_name(device)} ({own.name}) cannot run "
+                         f"{wanted.name}'s kernels; it lacks {'; '.join(gaps)}")
+    return wanted
+
+
+def check_native_fp4(device: torch.device) -> None:
+    """Refuse native FP4 MMA (W4A4 on SM100/SM120) where ``FP4MOE_ARCH`` plans it for a device
+    without FP4 tensor cores: the kernel would not assemble there."""
+    if device.type != "cuda":
+        return
+    own = device_capability_arch(device)
+    if own.fp4_mma == "none":
+        raise ValueError(f"{ARCH_ENV}={runtime_arch(device).name} plans W4A4 on native FP4 MMA, which "
+                         f"{torch.cuda.get_device_name(device)} ({own.name}) does not have; W4A16 runs, or emulate "
+                         f"an architecture without FP4 MMA (e.g. sm89) for W4A4")
+
+
 def pdl_enabled(device: torch.device) -> int:
     """1 when the kernels of a launch chain on ``device`` use programmatic dependent launch
     (``kernels.pdl``): compiled CUDA on an architecture with ``griddepcontrol`` (``Arch.has_pdl``),
@@ -95,12 +178,11 @@ def pdl_enabled(device: torch.device) -> int:
     as both the kernel's ``PDL`` constexpr and ``launch_pdl``."""
     if device.type != "cuda" or interpreting() or os.environ.get("FP4MOE_PDL", "1") == "0":
         return 0
-    from ..arch import arch_for_capability
-
-    cc = torch.cuda.get_device_capability(device)
     try:
-        return int(arch_for_capability(cc).has_pdl)
+        return int(runtime_arch(device).has_pdl)
     except ValueError:  # not in the catalogue: launch without PDL (it only hides launch gaps)
+        if requested_arch() is not None:  # FP4MOE_ARCH the device cannot run: say so
+            raise
         return 0
 
 
@@ -108,3 +190,4 @@ def pdl_kwargs(device: torch.device) -> dict:
     """A chain kernel's launch arguments for ``pdl_enabled``: the ``PDL`` constexpr and ``launch_pdl``."""
     pdl = pdl_enabled(device)
     return {"PDL": pdl, "launch_pdl": bool(pdl)}
+

@@ -20,7 +20,7 @@ from .. import guard
 from ..arch import Arch
 from ..formats import NVFP4, FP4Format, get_format
 from ..quantize import FP4Tensor, dequantize, quantize
-from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype
+from ._runtime import check_native_fp4, fast_decode, fast_fold, interpreting, mma_dtype, runtime_arch
 
 Mode = Literal["w4a16", "w4a4"]
 Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
@@ -144,12 +144,9 @@ def _heuristic_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None,
 
 
 def device_arch(device: torch.device) -> Arch | None:
-    """The catalogue architecture of a CUDA device; None for CPU (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    from ..arch import arch_for_capability
-
-    return arch_for_capability(torch.cuda.get_device_capability(device))
+    """The catalogue architecture whose kernels run on a CUDA device (``_runtime.runtime_arch``:
+    the device's own unless ``FP4MOE_ARCH`` names another it can run); None for CPU (the interpreter)."""
+    return runtime_arch(device)
 
 
 def target_path(mode: Mode, arch: Arch | None) -> Path:
@@ -169,11 +166,15 @@ def runs_packed(mode: Mode, arch: Arch | None) -> bool:
     return target_path(mode, arch) != "w4a4_native"
 
 
-def choose_path(mode: Mode, arch: Arch | None) -> Path:
-    """``target_path``, except that the interpreter (no native FP4 MMA) runs W4A4 emulated."""
+def choose_path(mode: Mode, arch: Arch | None, device: torch.device | None = None) -> Path:
+    """``target_path``, except that the interpreter (no native FP4 MMA) runs W4A4 emulated; on
+    ``device``, native FP4 MMA only where the device has it (``_runtime.check_native_fp4``)."""
     if mode == "w4a4" and interpreting():
         return "w4a4_emulated"
-    return target_path(mode, arch)
+    path = target_path(mode, arch)
+    if path == "w4a4_native" and device is not None:
+        check_native_fp4(device)
+    return path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,7 +338,7 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     arch = device_arch(x.device)
-    path = choose_path(mode, arch)
+    path = choose_path(mode, arch, x.device)
     props = torch.cuda.get_device_properties(x.device) if x.is_cuda else None
     sm_count = props.multi_processor_count if props is not None else None
     packed_cfg = packed_config(path, arch, M, N, K, sm_count, fmt=w.fmt,

@@ -267,7 +267,7 @@ def _act_code(mode: str, w: FP4Tensor, device: torch.device) -> int:
         return 0
     from .linear import choose_path, device_arch
 
-    return 2 if choose_path("w4a4", device_arch(device)) == "w4a4_native" else 1
+    return 2 if choose_path("w4a4", device_arch(device), device) == "w4a4_native" else 1
 
 
 def _quantize_rows(x: torch.Tensor, global_scale: torch.Tensor | None) -> FP4Tensor:

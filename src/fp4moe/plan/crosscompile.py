@@ -91,7 +91,8 @@ def _from_json(r: dict) -> CompiledKernel:
 
 
 def _worker_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the worker compiles for the requests' targets: no interpreter, no other architecture's lowering
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH", "FP4MOE_ARCH")}
     src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -84,6 +84,7 @@ def compile_request(req: dict):
         options = {"num_warps": req["num_warps"], "num_stages": req["num_stages"]}
     if req.get("maxnreg"):
         options["maxnreg"] = req["maxnreg"]
+    options["arch"] = f"sm{req['cc']}"  # the target's lowering whatever TRITON_OVERRIDE_ARCH says
     return triton.compile(src, target=GPUTarget("cuda", req["cc"], 32), options=options)
 
 
