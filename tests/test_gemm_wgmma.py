@@ -12,17 +12,6 @@ from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_pa
                           run_compile_snippet)
 
 
-@pytest.fixture(autouse=True)
-def _wgmma_code_only(request):
-    """The GPU tests here launch SM90 code (wgmma, TMA): skipped where ``FP4MOE_ARCH`` has the
-    process run another architecture's kernels."""
-    if "gpu" in request.keywords and torch.cuda.is_available():
-        from fp4moe.ops.linear import device_arch
-
-        if device_arch(torch.device("cuda")).bf16_mma != "wgmma":
-            pytest.skip("SM90 (wgmma) kernels; this process runs another architecture's (FP4MOE_ARCH)")
-
-
 def test_config_validation_and_choice():
     assert str(WgmmaConfig()) == "wgmma_n128_m128_s4_g8"
     with pytest.raises(ValueError, match="block_m"):
