@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -46,26 +47,11 @@ def test_gaps_name_what_is_missing():
 
 @pytest.fixture
 def fresh_request(monkeypatch):
-    """``requested_arch`` as in a new process, the Triton override left as it was."""
-    from triton import knobs
-
+    """``requested_arch`` as in a new process."""
     monkeypatch.setattr(_runtime, "_requested", [])
-    before = knobs.runtime.__dict__.get("override_arch", None)
-    env_before = os.environ.get("TRITON_OVERRIDE_ARCH")
-    yield
-    if before is None:
-        knobs.runtime.__dict__.pop("override_arch", None)
-    else:
-        knobs.runtime.override_arch = before
-    if env_before is None:
-        os.environ.pop("TRITON_OVERRIDE_ARCH", None)
-    else:
-        os.environ["TRITON_OVERRIDE_ARCH"] = env_before
 
 
 def test_requested_arch_parses_once_per_process(fresh_request, monkeypatch):
-    from triton import knobs
-
     monkeypatch.delenv("FP4MOE_ARCH", raising=False)
     assert _runtime.requested_arch() is None
     monkeypatch.setenv("FP4MOE_ARCH", "sm_89")
@@ -74,7 +60,6 @@ def test_requested_arch_parses_once_per_process(fresh_request, monkeypatch):
 
     monkeypatch.setattr(_runtime, "_requested", [])
     assert _runtime.requested_arch() is ARCHS["sm89"]
-    assert knobs.runtime.override_arch == "sm89"  # Triton lowers for it from now on
 
     monkeypatch.setattr(_runtime, "_requested", [])
     monkeypatch.setenv("FP4MOE_ARCH", "sm75")
@@ -82,24 +67,54 @@ def test_requested_arch_parses_once_per_process(fresh_request, monkeypatch):
         _runtime.requested_arch()
 
 
-def test_requested_arch_refuses_a_different_triton_override(fresh_request, monkeypatch):
-    from triton import knobs
+def _launch_calls(source: str):
+    """(kernel name, call text) of every ``<name>_kernel[grid](...)`` launch in ``source``."""
+    for m in re.finditer(r"(\w+_kernel)\[", source):
+        i, depth = m.end() - 1, 0
+        while True:  # the subscript, then the call's parentheses
+            depth += source[i] == "["
+            depth -= source[i] == "]"
+            i += 1
+            if depth == 0:
+                break
+        if source[i] != "(":
+            continue
+        j, depth = i, 0
+        while True:
+            depth += source[j] in "([{"
+            depth -= source[j] in ")]}"
+            j += 1
+            if depth == 0:
+                break
+        yield m.group(1), source[i:j]
 
-    knobs.runtime.override_arch = "sm80"
-    monkeypatch.setenv("FP4MOE_ARCH", "sm120")
-    with pytest.raises(ValueError, match="TRITON_OVERRIDE_ARCH=sm80"):
-        _runtime.requested_arch()
+
+def test_every_launch_names_the_architecture_to_lower_for():
+    """Each fp4moe kernel launch passes ``arch_kwargs``: Triton then lowers it for the architecture
+    whose kernels run (``FP4MOE_ARCH`` or the device's own), whatever ran before in the process or
+    ``TRITON_OVERRIDE_ARCH`` says, and keys its in-memory cache by it."""
+    import pathlib
+
+    import fp4moe
+
+    root = pathlib.Path(fp4moe.__file__).parent
+    launches = [(path.name, name, call) for path in sorted(root.rglob("*.py"))
+                for name, call in _launch_calls(path.read_text())]
+    assert len(launches) >= 27, len(launches)  # the launchers' count when this test was written
+    missing = [(f, name) for f, name, call in launches if "**arch_kwargs(" not in call]
+    assert not missing, missing
 
 
-def test_runtime_arch_is_none_off_cuda(fresh_request, monkeypatch):
+def test_arch_kwargs_off_cuda_and_under_the_interpreter(fresh_request, monkeypatch):
     monkeypatch.setenv("FP4MOE_ARCH", "sm80")
-    assert _runtime.runtime_arch(torch.device("cpu")) is None
+    assert _runtime.arch_kwargs(torch.device("cpu")) == {}
+    assert _runtime.emulated_arch(torch.device("cpu")) is None
 
 
 def test_cross_compilation_ignores_an_override(monkeypatch):
-    """The planner proves the target it names even when the process lowers for another
-    (TRITON_OVERRIDE_ARCH, which FP4MOE_ARCH sets): an sm_90 compile of a bf16 tl.dot kernel is a
-    wgmma, not sm80's mma.sync, whether compiled by the worker in this process or in its own."""
+    """The planner proves the target it names whatever the environment says
+    (TRITON_OVERRIDE_ARCH, FP4MOE_ARCH): an sm_90 compile of a bf16 tl.dot kernel is a wgmma, not
+    sm80's mma.sync, through ``cross_compile`` and from the worker given that environment."""
     from fp4moe.plan.crosscompile import cross_compile
     from fp4moe.plan.space import LinearProblem, get_kernel
     from fp4moe.arch import get_arch
@@ -141,18 +156,18 @@ from fp4moe.quantize import quantize
 
 dev = torch.device("cuda")
 torch.manual_seed(0)
-out = {"arch": runtime_arch(dev).name, "guard_device": device_name(dev), "errors": {}}
+out = {"errors": {}}
+T, E, k, H, I = 64, 32, 8, 2048, 768
+routed = route(torch.randn(T, E, device=dev), Routing("softmax", top_k=k))  # the first kernel
 def err(y, ref):
     return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 for M, N, K in [(1, 6144, 2048), (16, 4096, 6144), (64, 6144, 2048), (300, 2048, 6144)]:
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = quantize(torch.randn(N, K, device=dev), "nvfp4")
     out["errors"][f"linear M{M} {N}x{K}"] = err(fp4_linear(x, w), fp4_linear_reference(x, w))
-T, E, k, H, I = 64, 32, 8, 2048, 768
 x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
 w13 = quantize(torch.randn(E, 2 * I, H, device=dev), "nvfp4")
 w2 = quantize(torch.randn(E, H, I, device=dev), "nvfp4")
-routed = route(torch.randn(T, E, device=dev), Routing("softmax", top_k=k))
 ids, wts = routed.topk_ids, routed.topk_weights
 out["errors"]["moe T64"] = err(moe_experts(x, w13, w2, ids, wts), fp4_moe_reference(x, w13, w2, ids, wts))
 archs = set()
@@ -161,6 +176,7 @@ for name in ("linear", "linear_mma", "moe", "quantize", "dispatch", "routing", "
         for cache in getattr(fn, "device_caches", {}).values():
             archs |= {kernel.metadata.arch for kernel in cache[0].values()}
 out["lowered_for"] = sorted(archs)
+out["arch"], out["guard_device"] = runtime_arch(dev).name, device_name(dev)
 try:
     fp4_linear(torch.randn(1, 2048, device=dev, dtype=torch.bfloat16),
                quantize(torch.randn(256, 2048, device=dev), "nvfp4"), mode="w4a4")
@@ -172,34 +188,42 @@ print(json.dumps(out))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["sm80", "sm89", "sm120"])
-def test_gpu_runs_another_architectures_kernels(name):
+@pytest.mark.parametrize("name,override", [("sm80", None), ("sm89", None), ("sm120", None), (None, "sm80")],
+                         ids=["sm80", "sm89", "sm120", "own_with_TRITON_OVERRIDE_ARCH"])
+def test_gpu_runs_another_architectures_kernels(name, override):
     """FP4MOE_ARCH=sm80/sm89/sm120 on a newer GPU (the H200 here): every fp4moe kernel the process
-    compiled (quantizer, routing, dispatch, linear and MoE GEMMs) was lowered by Triton for that
-    architecture; the outputs (decode, split-K,
-    prefill tiles of that architecture's plan; an MoE layer) match the reference within the
-    guard's W4A16 tolerance; the guard keys them apart from the GPU's own kernels; W4A4 runs
-    emulated where the named architecture has no FP4 MMA and is refused, clearly, where the
-    architecture has it and the GPU does not."""
+    compiled (routing first, then the quantizer, dispatch, linear and MoE GEMMs) was lowered by Triton
+    for that architecture; the outputs (decode, split-K, prefill tiles of that architecture's plan;
+    an MoE layer) match the reference within the guard's tolerances; the guard keys them apart from
+    the GPU's own kernels; W4A4 runs emulated where the named architecture has no FP4 MMA and is
+    refused, clearly, where it has FP4 MMA the GPU lacks. Without FP4MOE_ARCH, a TRITON_OVERRIDE_ARCH
+    in the environment does not reach fp4moe's kernels: they are the GPU's own."""
     from fp4moe.guard import TOLERANCES
     from fp4moe.ops._runtime import device_capability_arch
 
     own = device_capability_arch(torch.device("cuda"))
-    if emulation_gaps(ARCHS[name], own):
+    if name is not None and emulation_gaps(ARCHS[name], own):
         pytest.skip(f"{own.name} cannot run {name}'s kernels")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH")}
-    env["FP4MOE_ARCH"] = name
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_OVERRIDE_ARCH", "FP4MOE_ARCH")}
+    if name is not None:
+        env["FP4MOE_ARCH"] = name
+    if override is not None:
+        env["TRITON_OVERRIDE_ARCH"] = override
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _EMULATED_RUN], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["arch"] == name
-    assert out["lowered_for"] == [name], out["lowered_for"]
-    assert out["guard_device"].endswith(f"running {name} kernels")
+    runs = ARCHS[name] if name is not None else own
+    assert out["arch"] == runs.name
+    assert out["lowered_for"] == [runs.name], out["lowered_for"]
+    if runs == own:
+        assert "running" not in out["guard_device"], out["guard_device"]
+    else:
+        assert out["guard_device"].endswith(f"running {runs.name} kernels"), out["guard_device"]
     for case, e in out["errors"].items():
         assert e < TOLERANCES["fp4_moe" if case.startswith("moe") else "fp4_linear"].max_rel, (case, e)
-    if ARCHS[name].fp4_mma != "none" and own.fp4_mma == "none":
-        assert "native FP4 MMA" in out["w4a4"], out["w4a4"]
+    if runs.fp4_mma != "none" and own.fp4_mma != runs.fp4_mma:
+        assert "plans W4A4 on FP4 MMA" in out["w4a4"], out["w4a4"]
     else:
         assert out["w4a4"] == "ran", out["w4a4"]

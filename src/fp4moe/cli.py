@@ -88,9 +88,18 @@ def info(
     else:
         entry = detected.gpu if detected else None
     chip = entry.arch if entry else (detected.arch if detected else None)
+    kernels = None
+    if detected is not None:  # FP4MOE_ARCH: another architecture's kernels run on this GPU
+        import torch
+
+        from .ops._runtime import emulated_arch
+
+        found = emulated_arch(torch.device("cuda"))
+        kernels = found.name if found is not None else None
     report = {
         "versions": versions(),
         "detected": arch.as_dict(detected) if detected else None,
+        "kernels_arch": kernels,
         "catalogue_gpu": arch.as_dict(entry) if entry else None,
         "catalogue_arch": arch.as_dict(chip) if chip else None,
     }
@@ -108,6 +117,8 @@ def info(
             console.print(f"[yellow]differs from the catalogue:[/yellow] {line}")
         if not detected.differences:
             console.print("[green]matches the catalogue[/green]")
+        if kernels is not None:
+            console.print(f"[yellow]FP4MOE_ARCH:[/yellow] this process runs {kernels}'s kernels on it")
     if entry is not None:
         console.print(_kv_table(f"catalogue: {entry.name}", {k: v for k, v in report["catalogue_gpu"].items() if k != "arch"}))
     if chip is not None:

@@ -95,11 +95,11 @@ def device_name(device: torch.device) -> str:
     """The device part of a guard key: the GPU's name, and the architecture whose kernels it runs
     where ``FP4MOE_ARCH`` names another than its own."""
     if device.type == "cuda":
-        from .ops._runtime import device_capability_arch, runtime_arch
+        from .ops._runtime import emulated_arch
 
         name = torch.cuda.get_device_name(device)
-        arch = runtime_arch(device)
-        return name if arch == device_capability_arch(device) else f"{name} running {arch.name} kernels"
+        arch = emulated_arch(device)
+        return name if arch is None else f"{name} running {arch.name} kernels"
     return f"{device.type} (Triton interpreter)"
 
 

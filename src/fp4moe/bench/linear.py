@@ -48,12 +48,17 @@ def bench_ceilings() -> dict[str, Any]:
     No FP4 peak can be measured without the kernel under test, so W4A4 rows on chips with FP4
     tensor cores are held against the catalogue's dense FP4 figure (labelled as such).
     """
+    import torch
+
     from .. import arch
+    from ..ops._runtime import runtime_arch
 
     ceilings: dict[str, Any] = dict(measure_ceilings())
     detected = arch.detect()
     gpu = detected.gpu if detected else None
-    ceilings["fp4_tflops_datasheet"] = gpu.fp4_dense_tflops if gpu is not None else None
+    # W4A4 on FP4 MMA only where the kernels that run use it (FP4MOE_ARCH may name an architecture without)
+    native = gpu is not None and runtime_arch(torch.device("cuda")).has_native_fp4
+    ceilings["fp4_tflops_datasheet"] = gpu.fp4_dense_tflops if native else None
     return ceilings
 
 

@@ -39,17 +39,17 @@ def _gpu() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"gpu": None, "capability": None, "kernels_arch": None, "sm_count": None, "memory_gib": None,
                 "l2_bytes": None, "driver": None}
-    from ..ops._runtime import device_capability_arch, runtime_arch
+    from ..ops._runtime import emulated_arch
 
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])  # same for every GPU
-    kernels = runtime_arch(device)
+    kernels = emulated_arch(device)
     return {
         "gpu": props.name,
         "capability": f"{props.major}.{props.minor}",
         # FP4MOE_ARCH: another architecture's kernels on this GPU (None: the GPU's own)
-        "kernels_arch": None if kernels == device_capability_arch(device) else kernels.name,
+        "kernels_arch": kernels.name if kernels is not None else None,
         "sm_count": props.multi_processor_count,
         "memory_gib": round(props.total_memory / 2**30, 1),
         "l2_bytes": int(getattr(props, "L2_cache_size", 0)) or None,

@@ -1,4 +1,5 @@
-"""What every launcher asks of the runtime: is Triton interpreting, and which dtype the MMA takes."""
+"""What every launcher asks of the runtime: is Triton interpreting, which dtype the MMA takes, which
+architecture's kernels run on the device (``FP4MOE_ARCH``) and the launch options that follow."""
 
 from __future__ import annotations
 
@@ -89,11 +90,10 @@ def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> N
 
 
 #: Names a catalogued architecture (``sm80``, ``sm89``, ``sm120`` ...) whose kernels the process runs
-#: on the GPU in hand: the configurations and paths fp4moe chooses for it, compiled through Triton's
-#: lowering for it (``TRITON_OVERRIDE_ARCH``) and assembled for the device. For running another
-#: generation's code on silicon where only a newer GPU is at hand (``runtime_arch``); read once per
-#: process, by the first op that chooses a path or a launch (every launcher asks ``runtime_arch``
-#: or ``pdl_enabled`` before its first kernel compiles).
+#: on the GPU in hand: the configurations and paths fp4moe chooses for it, each kernel lowered by
+#: Triton for it (the launch option ``arch``, ``arch_kwargs``) and assembled for the device. For
+#: running another generation's code on silicon where only a newer GPU is at hand
+#: (``runtime_arch``); read once per process.
 ARCH_ENV = "FP4MOE_ARCH"
 
 _requested: list[str] = []  # the first value of ARCH_ENV this process read ("" when unset)
@@ -101,7 +101,7 @@ _requested: list[str] = []  # the first value of ARCH_ENV this process read ("" 
 
 def requested_arch():
     """The architecture ``FP4MOE_ARCH`` names, or None when it is unset; the value is fixed at its
-    first read (Triton caches kernels per process, so a change later would mix architectures)."""
+    first read (the guard and the packed-weight caches are per process)."""
     from ..arch import get_arch
 
     value = os.environ.get(ARCH_ENV, "").strip()
@@ -113,29 +113,21 @@ def requested_arch():
     if not value:
         return None
     try:
-        arch = get_arch(value)
+        return get_arch(value)
     except ValueError as err:
         raise ValueError(f"{ARCH_ENV}={value!r}: {err}") from None
-    _lower_for(arch)
-    return arch
-
-
-def _lower_for(arch) -> None:
-    """Make Triton lower every kernel of this process for ``arch`` (the PTX still targets the device)."""
-    from triton import knobs
-
-    current = knobs.runtime.override_arch
-    if current not in (None, "", arch.name):
-        raise ValueError(f"{ARCH_ENV}={arch.name} but TRITON_OVERRIDE_ARCH={current}: unset one of them")
-    if current != arch.name:
-        knobs.runtime.override_arch = arch.name
 
 
 def device_capability_arch(device: torch.device):
     """The catalogue architecture of the CUDA device itself, whatever ``FP4MOE_ARCH`` says."""
     from ..arch import arch_for_capability
 
-    return arch_for_capability(torch.cuda.get_device_capability(device))
+    try:
+        return arch_for_capability(torch.cuda.get_device_capability(device))
+    except ValueError as err:
+        if os.environ.get(ARCH_ENV, "").strip():
+            raise ValueError(f"{ARCH_ENV} is set, but {err}") from None
+        raise
 
 
 def runtime_arch(device: torch.device):
@@ -159,16 +151,36 @@ def runtime_arch(device: torch.device):
     return wanted
 
 
+def emulated_arch(device: torch.device):
+    """The architecture ``FP4MOE_ARCH`` has ``device`` run when it is not the device's own, else
+    None (also off CUDA, and for a device outside the catalogue with the variable unset)."""
+    if device.type != "cuda" or not os.environ.get(ARCH_ENV, "").strip():
+        return None
+    arch = runtime_arch(device)
+    return None if arch == device_capability_arch(device) else arch
+
+
+def arch_kwargs(device: torch.device) -> dict:
+    """Every fp4moe kernel launch's ``arch`` option: Triton lowers the kernel for ``runtime_arch``
+    (the device's own, or ``FP4MOE_ARCH``'s) whatever ``TRITON_OVERRIDE_ARCH`` says, and its
+    in-memory cache keys the kernel by it. Nothing off CUDA or under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return {}
+    return {"arch": runtime_arch(device).name}
+
+
 def check_native_fp4(device: torch.device) -> None:
-    """Refuse native FP4 MMA (W4A4 on SM100/SM120) where ``FP4MOE_ARCH`` plans it for a device
-    without FP4 tensor cores: the kernel would not assemble there."""
+    """Refuse native FP4 MMA where ``FP4MOE_ARCH`` plans an instruction the device does not have
+    (W4A4 of sm120 on a GPU without FP4 tensor cores, or on SM100's tcgen05 ones): the kernel would
+    not assemble there."""
     if device.type != "cuda":
         return
-    own = device_capability_arch(device)
-    if own.fp4_mma == "none":
-        raise ValueError(f"{ARCH_ENV}={runtime_arch(device).name} plans W4A4 on native FP4 MMA, which "
-                         f"{torch.cuda.get_device_name(device)} ({own.name}) does not have; W4A16 runs, or emulate "
-                         f"an architecture without FP4 MMA (e.g. sm89) for W4A4")
+    own, planned = device_capability_arch(device), runtime_arch(device)
+    if planned.fp4_mma != "none" and planned.fp4_mma != own.fp4_mma:
+        have = "no FP4 MMA" if own.fp4_mma == "none" else f"FP4 MMA by {own.fp4_mma}"
+        raise ValueError(f"{ARCH_ENV}={planned.name} plans W4A4 on FP4 MMA by {planned.fp4_mma}; "
+                         f"{torch.cuda.get_device_name(device)} ({own.name}) has {have}. W4A16 runs, or name an "
+                         f"architecture without FP4 MMA (e.g. sm89) for emulated W4A4")
 
 
 def pdl_enabled(device: torch.device) -> int:
@@ -179,15 +191,15 @@ def pdl_enabled(device: torch.device) -> int:
     if device.type != "cuda" or interpreting() or os.environ.get("FP4MOE_PDL", "1") == "0":
         return 0
     try:
-        return int(runtime_arch(device).has_pdl)
-    except ValueError:  # not in the catalogue: launch without PDL (it only hides launch gaps)
-        if requested_arch() is not None:  # FP4MOE_ARCH the device cannot run: say so
+        arch = runtime_arch(device)
+    except ValueError:
+        if os.environ.get(ARCH_ENV, "").strip():  # a name or a device FP4MOE_ARCH cannot use: say so
             raise
-        return 0
+        return 0  # not in the catalogue: launch without PDL (it only hides launch gaps)
+    return int(arch.has_pdl)
 
 
 def pdl_kwargs(device: torch.device) -> dict:
     """A chain kernel's launch arguments for ``pdl_enabled``: the ``PDL`` constexpr and ``launch_pdl``."""
     pdl = pdl_enabled(device)
     return {"PDL": pdl, "launch_pdl": bool(pdl)}
-

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from ._runtime import interpreting, pdl_kwargs
+from ._runtime import arch_kwargs, interpreting, pdl_kwargs
 
 __all__ = ["DispatchConfig", "DispatchPlan", "TileMap", "dispatch", "dispatch_reference", "launch_dispatch",
            "launch_tile_map", "max_tiles", "tile_map", "tile_map_reference", "compile_requests"]
@@ -291,11 +291,11 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
     if config.fused and uses_small_kernel(n, config.block_p):
         dispatch_small_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
                                     t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
-                                    BLOCK_P=config.block_p, BLOCK_E=_block_e(E), num_warps=w, **pdl)
+                                    BLOCK_P=config.block_p, BLOCK_E=_block_e(E), num_warps=w, **pdl, **arch_kwargs(dev))
     elif config.fused:
         dispatch_fused_kernel[(1,)](ids, counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start,
                                     t_end, n_tiles, n, E, n_max, TOP_K=top_k, BLOCK_M=block_m,
-                                    BLOCK_P=config.block_p, BLOCK_E=_block_e(E), num_warps=w, **pdl)
+                                    BLOCK_P=config.block_p, BLOCK_E=_block_e(E), num_warps=w, **pdl, **arch_kwargs(dev))
     else:
         block_e = max(16, _next_pow2(E + 1))  # bucket E: dropped pairs
         n_blocks = triton.cdiv(n, config.block_p)
@@ -303,17 +303,17 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
         bucket_counts = torch.empty(block_e, **i32)
         block_q = _block_q(config.block_p, block_e)
         dispatch_histogram_kernel[(n_blocks,)](ids, hist, n, E, BLOCK_P=config.block_p, BLOCK_Q=block_q,
-                                               BLOCK_E=block_e, num_warps=w, **pdl)
+                                               BLOCK_E=block_e, num_warps=w, **pdl, **arch_kwargs(dev))
         block_c = min(block_e, 64)
         dispatch_scan_kernel[(block_e // block_c,)](hist, bucket_counts, n_blocks, BLOCK_E=block_e, BLOCK_B=16,
-                                                    BLOCK_C=block_c, num_warps=w, **pdl)
+                                                    BLOCK_C=block_c, num_warps=w, **pdl, **arch_kwargs(dev))
         block_i = _block_i(block_e)
         dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
             bucket_counts, counts, offsets, n_tiles, t_expert, t_start, t_end, n_tiles, block_e, E, n_max, 0, ALL_ROWS,
-            BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w, **pdl)
+            BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w, **pdl, **arch_kwargs(dev))
         dispatch_scatter_kernel[(n_blocks,)](ids, hist, offsets, sorted_token, sorted_pair, pair_row, n, E,
                                              TOP_K=top_k, BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p),
-                                             BLOCK_E=block_e, num_warps=w, **pdl)
+                                             BLOCK_E=block_e, num_warps=w, **pdl, **arch_kwargs(dev))
     return counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start, t_end, n_tiles
 
 
@@ -337,7 +337,7 @@ def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int, row
     dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
         expert_counts, n_tiles, n_tiles, n_tiles, t_expert, t_start, t_end, n_tiles, E, E, n_max, lo, hi,
         BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=False, num_warps=4,
-        **pdl_kwargs(expert_counts.device))
+        **pdl_kwargs(expert_counts.device), **arch_kwargs(expert_counts.device))
     return t_expert, t_start, t_end, n_tiles
 
 

@@ -20,7 +20,7 @@ from .. import guard
 from ..arch import Arch
 from ..formats import NVFP4, FP4Format, get_format
 from ..quantize import FP4Tensor, dequantize, quantize
-from ._runtime import check_native_fp4, fast_decode, fast_fold, interpreting, mma_dtype, runtime_arch
+from ._runtime import arch_kwargs, check_native_fp4, fast_decode, fast_fold, interpreting, mma_dtype, runtime_arch
 
 Mode = Literal["w4a16", "w4a4"]
 Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
@@ -291,7 +291,7 @@ def launch_linear(
         HAS_WG=w.global_scale is not None, HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, SPLIT_K=split,
         FAST_DECODE=fast_decode(act, x2.dtype),
         FOLD=fast_fold(act, fast_decode(act, x2.dtype), w.fmt.scale_kind == "e4m3"), num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        **arch_kwargs(out.device))
     if split > 1:
         reduce_splits(target, bias, out)
     return out
@@ -308,7 +308,7 @@ def reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tens
     S, M, N = part.shape
     splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
         part, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=S, BLOCK=1024,
-        HAS_BIAS=bias is not None, num_warps=4)
+        HAS_BIAS=bias is not None, num_warps=4, **arch_kwargs(out.device))
     return out
 
 

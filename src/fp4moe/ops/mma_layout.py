@@ -28,7 +28,7 @@ import torch
 from ..arch import Arch, default_gpu, get_arch
 from ..formats import NVFP4, FP4Format, e4m3_to_e5m3, e5m3_to_e4m3, pack_fp4, unpack_fp4
 from ..quantize import FP4Tensor
-from ._runtime import check_weight_scales, pdl_enabled, pdl_kwargs
+from ._runtime import arch_kwargs, check_weight_scales, pdl_enabled, pdl_kwargs
 
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
@@ -537,8 +537,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         X_LAYOUT=x_layout_kw(config.block_m, 1 if config.xc else kh, config.warps, kw), XC=config.xc,
         XA=config.xa, EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
         PF=config.pf if arch is not None and arch.has_tma else 0,  # cp.async.bulk.prefetch.L2: bulk-copy GPUs
-        num_warps=config.warps * kw, launch_pdl=pdl > 0,
-    )
+        num_warps=config.warps * kw, launch_pdl=pdl > 0, **arch_kwargs(x2.device))
     return out
 
 
@@ -586,8 +585,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
         GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode,
         X_STAGES=_x_stages(config, x2, chunks),
-        num_warps=config.warps, **pdl,
-    )
+        num_warps=config.warps, **pdl, **arch_kwargs(x2.device))
     return split
 
 
@@ -954,7 +952,8 @@ def mma_order_rows(x2: torch.Tensor, k_stored: int, rows: torch.Tensor | None = 
     block_r, block_q = 16, 128 if k_stored % 256 == 0 else 32
     mma_order_rows_kernel[(triton.cdiv(R, block_r), k_stored // 2 // block_q)](
         xp, rows if rows is not None else xp, op, R, x2.shape[1], xp.stride(0), op.stride(0),
-        GATHER=rows is not None, BLOCK_R=block_r, BLOCK_Q=block_q, num_warps=4, PDL=int(pdl), launch_pdl=pdl)
+        GATHER=rows is not None, BLOCK_R=block_r, BLOCK_Q=block_q, num_warps=4, PDL=int(pdl), launch_pdl=pdl,
+        **arch_kwargs(op.device))
     return out
 
 
@@ -1195,13 +1194,14 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
 
         fp4_gemm_ws_kernel[grid](w_desc, _s_desc(p, config.block_n // ROWS), x_desc, *rest, A_STAGES=WS_A_STAGES,
                                  DECODE_REGS=WS_DECODE_REGS, num_warps=config.warps,
-                                 maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS), **consts)
+                                 maxnreg=ws_maxnreg(config.warps + WS_DECODE_WARPS), **consts,
+                                 **arch_kwargs(out.device))
         return out
     fp4_gemm_wgmma_kernel[grid](w_desc, _s_desc(p, _w_box_rows(config, False)), x_desc, x_desc, *rest, per_split,
                                 SWIGLU=0,
                                 ALPHA=0.0, LIMIT=0.0, OUT_MMA_ORDER=False, REPEATS=config.repeats, TAIL_M=0,
                                 PERSISTENT=config.persistent, num_warps=config.warps, PDL=gemm_pdl,
-                                launch_pdl=pdl, **consts)
+                                launch_pdl=pdl, **consts, **arch_kwargs(out.device))
     if split > 1:
         from .linear import reduce_splits
 
@@ -1300,5 +1300,5 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
         OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, TAIL_M=config.tail_m,
-        MERGE_TAIL=config.merge_tail, num_warps=config.warps, **_decode_consts(p.fmt))
+        MERGE_TAIL=config.merge_tail, num_warps=config.warps, **_decode_consts(p.fmt), **arch_kwargs(out.device))
     return out

@@ -16,7 +16,7 @@ from .. import guard
 from ..kernels.moe import GPT_OSS_ALPHA, GPT_OSS_LIMIT  # gpt-oss's activation constants (one definition)
 from ..quantize import FP4Tensor, dequantize
 from .dispatch import DispatchPlan, dispatch, max_tiles, tile_map
-from ._runtime import fast_decode, fast_fold, interpreting, mma_dtype, pdl_kwargs
+from ._runtime import arch_kwargs, fast_decode, fast_fold, interpreting, mma_dtype, pdl_kwargs
 
 Activation = Literal["silu", "gpt_oss"]
 _SWIGLU = {"silu": 1, "gpt_oss": 2}
@@ -153,8 +153,7 @@ def launch_moe_gemm(x: torch.Tensor | FP4Tensor, w: FP4Tensor, plan: DispatchPla
         SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode,
         HAS_BIAS=bias is not None, COMPUTE_DTYPE=compute, FAST_DECODE=fast, ACT=act,
         FOLD=fast_fold(act, fast, w.fmt.scale_kind == "e4m3"),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **arch_kwargs(w.data.device))
     return out
 
 
@@ -170,7 +169,8 @@ def launch_combine(y_pair: torch.Tensor, topk_ids: torch.Tensor, top_k: int, sha
     moe_combine_kernel[(T, triton.cdiv(H, block))](
         y_pair, topk_ids, shared if shared is not None else y_pair, out, H, n_experts, y_pair.stride(0),
         shared.stride(0) if shared is not None else 0, out.stride(0),
-        TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4, **pdl_kwargs(out.device))
+        TOP_K=top_k, BLOCK_H=block, HAS_SHARED=shared is not None, num_warps=4, **pdl_kwargs(out.device),
+        **arch_kwargs(out.device))
     return out
 
 
@@ -196,7 +196,8 @@ def launch_partials_combine(part: torch.Tensor, w2: FP4Tensor, plan: DispatchPla
         wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if bias is not None else 0,
         shared.stride(0) if shared is not None else 0, out.stride(0),
         TOP_K=k, SPLIT=part.shape[0], BLOCK_H=block, WG_MODE=wg_mode, HAS_BIAS=bias is not None, HAS_SHARED=shared is not None,
-        num_warps=max(1, min(4, block // 256)), enable_fp_fusion=False, **pdl_kwargs(out.device))
+        num_warps=max(1, min(4, block // 256)), enable_fp_fusion=False, **pdl_kwargs(out.device),
+        **arch_kwargs(out.device))
     return out
 
 
@@ -563,7 +564,7 @@ def launch_partials_epilogue(part: torch.Tensor, w: FP4Tensor, plan: DispatchPla
         bias.stride(0) if bias is not None else 0, out.stride(0),
         SPLIT=part.shape[0], BLOCK_N=block_n, BLOCK_M=plan.block_m, SWIGLU=swiglu, INTERLEAVED=interleaved,
         SCATTER=scatter, HAS_RW=2 if row_weight is not None else 0, WG_MODE=wg_mode, HAS_BIAS=bias is not None, num_warps=4,
-        enable_fp_fusion=False, **pdl_kwargs(out.device))
+        enable_fp_fusion=False, **pdl_kwargs(out.device), **arch_kwargs(part.device))
     return out
 
 

@@ -24,7 +24,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from ..formats import NVFP4
 from ..kernels.quantize import absmax_kernel, nvfp4_dequantize_kernel, nvfp4_fake_quantize_kernel, nvfp4_quantize_kernel
 from ..quantize import FP4Tensor, quantize
-from ._runtime import pdl_kwargs
+from ._runtime import arch_kwargs, pdl_kwargs
 from .linear import device_arch
 
 __all__ = ["DequantizeConfig", "QuantizeConfig", "WeightDequantizeConfig", "dequantize_activations",
@@ -155,7 +155,7 @@ def quantize_activations(
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             scale_in, n_part, launch = _scale_in(x2, None if dynamic else gs, cfg)
             nvfp4_quantize_kernel[_grid(M, K, cfg)](x2, data.view(torch.int32), scales, scale_in, gs, M, K, x2.stride(0),
-                                                    n_part, DYNAMIC=dynamic, **launch)
+                                                    n_part, DYNAMIC=dynamic, **launch, **arch_kwargs(x2.device))
     return FP4Tensor(
         data=data.reshape(*lead, K // 2),
         scales=scales.view(torch.float8_e4m3fn).reshape(*lead, K // _BLOCK),
@@ -203,7 +203,7 @@ def fake_quantize_activations(x: torch.Tensor, global_scale: torch.Tensor | floa
         nvfp4_fake_quantize_kernel[_grid(M, K, cfg)](
             x2, out, scale_in, wg if wg is not None else scale_in, g, M, K, x2.stride(0), out.stride(0), g.numel(), n_part,
             DYNAMIC=dynamic, HAS_WG=wg is not None, BLOCK_G=triton.next_power_of_2(g.numel()),
-            **launch, **pdl_kwargs(x.device))
+            **launch, **pdl_kwargs(x.device), **arch_kwargs(x2.device))
     return out, g
 
 
@@ -272,7 +272,7 @@ def _scale_in(x2: torch.Tensor, gs: torch.Tensor | None, cfg: QuantizeConfig) ->
         amax_bits = (torch.empty if partials else torch.zeros)((n_part,), dtype=torch.int32, device=x2.device)
         absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
         absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, PARTIALS=partials,
-                                   **tile, **pdl_kwargs(x2.device))
+                                   **tile, **pdl_kwargs(x2.device), **arch_kwargs(x2.device))
         gs = amax_bits.view(torch.float32)
     arch = device_arch(x2.device)
     # the register cap is a compile option (the interpreter has none)
@@ -355,7 +355,7 @@ def dequantize_weight(w: FP4Tensor, config: WeightDequantizeConfig = WeightDequa
         nvfp4_weight_dequantize_kernel[(triton.cdiv(n_bytes, config.block),)](
             w.data, w.scales.view(torch.uint8), out.view(torch.int32), n_bytes, BLOCK=config.block,
             num_warps=config.num_warps,
-            **pdl_kwargs(w.device))
+            **pdl_kwargs(w.device), **arch_kwargs(out.device))
     return out
 
 
@@ -396,5 +396,5 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
             data, scales, xq.global_scale, wg if wg is not None else xq.global_scale, out, g, M, K, k_out,
             data.stride(0), scales.stride(0), out.stride(0), g.numel(), BLOCK_K=config.block_k,
             HAS_WG=wg is not None, BLOCK_G=triton.next_power_of_2(g.numel()), MMA_ORDER=k_stored is not None,
-            num_warps=config.num_warps, **pdl_kwargs(xq.device))
+            num_warps=config.num_warps, **pdl_kwargs(xq.device), **arch_kwargs(out.device))
     return out, g

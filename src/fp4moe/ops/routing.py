@@ -61,7 +61,7 @@ assertion (``torch._assert_async``), which does not synchronise and survives CUD
 from __future__ import annotations
 
 import math
-from ._runtime import interpreting, pdl_kwargs
+from ._runtime import arch_kwargs, interpreting, pdl_kwargs
 import struct
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -400,15 +400,15 @@ def launch_routing(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | 
     gsize = E // n_group
     if k0 is None:
         routing_kernel[grid](logits, bias_arg, ids, weights, bad, bad, bad, weights, T, E, logits.stride(0), gsize,
-                             scale, PASS=PASS_EXACT, K0=k, **common)
+                             scale, PASS=PASS_EXACT, K0=k, **common, **arch_kwargs(dev))
         return ids, weights, bad, None, None, None
     active = torch.zeros((E,), dtype=torch.int32, device=dev)
     exact = torch.zeros((E,), dtype=torch.int32, device=dev)
     kept = torch.empty((T,), dtype=torch.float32, device=dev)
     routing_kernel[grid](logits, bias_arg, ids, weights, bad, active, exact, kept, T, E, logits.stride(0), gsize,
-                         scale, PASS=PASS_OEA_MARK, K0=k0, **common)
+                         scale, PASS=PASS_OEA_MARK, K0=k0, **common, **arch_kwargs(dev))
     routing_kernel[grid](logits, bias_arg, ids, weights, bad, active, exact, kept, T, E, logits.stride(0), gsize,
-                         scale, PASS=PASS_OEA_FILL, K0=k0, **common)
+                         scale, PASS=PASS_OEA_FILL, K0=k0, **common, **arch_kwargs(dev))
     return ids, weights, bad, active, exact, kept
 
 
