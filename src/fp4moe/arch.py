@@ -307,7 +307,7 @@ def arch_for_capability(cc: tuple[int, int]) -> Arch:
 def emulation_gaps(target: Arch, device: Arch) -> tuple[str, ...]:
     """What ``device`` lacks to run ``target``'s kernels: compiled as Triton compiles for ``target``
     (its lowering, the configurations fp4moe chooses for it) but assembled for ``device``. Empty
-    where it can (``FP4MOE_ARCH``, ``fp4moe.ops._runtime.runtime_arch``). Native FP4 MMA is not
+    where it can (``FP4MOE_ARCH``, ``fp4moe.ops._runtime.device_arch``). Native FP4 MMA is not
     listed: W4A16 and emulated W4A4 run without it, and the runtime refuses native W4A4 on its own
     (``check_native_fp4``).
 

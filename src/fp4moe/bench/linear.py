@@ -51,13 +51,13 @@ def bench_ceilings() -> dict[str, Any]:
     import torch
 
     from .. import arch
-    from ..ops._runtime import runtime_arch
+    from ..ops._runtime import device_arch
 
     ceilings: dict[str, Any] = dict(measure_ceilings())
     detected = arch.detect()
     gpu = detected.gpu if detected else None
     # W4A4 on FP4 MMA only where the kernels that run use it (FP4MOE_ARCH may name an architecture without)
-    native = gpu is not None and runtime_arch(torch.device("cuda")).has_native_fp4
+    native = gpu is not None and device_arch(torch.device("cuda")).has_native_fp4
     ceilings["fp4_tflops_datasheet"] = gpu.fp4_dense_tflops if native else None
     return ceilings
 
@@ -171,7 +171,7 @@ def run_linear_bench(
     import torch
 
     from .. import arch
-    from ..ops._runtime import runtime_arch
+    from ..ops._runtime import device_arch
     from ..quantize import quantize
 
     fmt = get_format(fmt).name
@@ -179,7 +179,7 @@ def run_linear_bench(
     ceilings = ceilings if ceilings is not None else bench_ceilings()
     detected = arch.detect()
     # the architecture whose kernels run (FP4MOE_ARCH may name another than the GPU's)
-    chip = runtime_arch(torch.device("cuda")) if detected else None
+    chip = device_arch(torch.device("cuda")) if detected else None
     sm_count = detected.sm_count if detected else None
     l2 = int(ceilings.get("l2_bytes") or l2_bytes())
     gen = torch.Generator(device="cuda").manual_seed(seed)

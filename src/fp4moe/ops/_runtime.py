@@ -3,6 +3,7 @@ architecture's kernels run on the device (``FP4MOE_ARCH``) and the launch option
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -93,7 +94,7 @@ def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> N
 #: on the GPU in hand: the configurations and paths fp4moe chooses for it, each kernel lowered by
 #: Triton for it (the launch option ``arch``, ``arch_kwargs``) and assembled for the device. For
 #: running another generation's code on silicon where only a newer GPU is at hand
-#: (``runtime_arch``); read once per process.
+#: (``device_arch``); read once per process.
 ARCH_ENV = "FP4MOE_ARCH"
 
 _requested: list[str] = []  # the first value of ARCH_ENV this process read ("" when unset)
@@ -130,18 +131,25 @@ def device_capability_arch(device: torch.device):
         raise
 
 
-def runtime_arch(device: torch.device):
+def device_arch(device: torch.device):
     """The architecture whose kernels run on ``device``: None off CUDA (the interpreter); else the
     device's own, or the one ``FP4MOE_ARCH`` names where the device can run that architecture's
     code (``arch.emulation_gaps``: e.g. sm80, sm89 or sm120 W4A16 on an H200; never one that needs
     wgmma, tcgen05, TMA or PDL the device lacks, nor more shared memory). The launch sizes (SM
-    count, L2) stay the device's."""
+    count, L2) stay the device's. Resolved once per device (every launch asks, ``arch_kwargs``)."""
     if device.type != "cuda":
         return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_arch(index, os.environ.get(ARCH_ENV, "").strip())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(index: int, requested: str):
     from ..arch import emulation_gaps
 
+    device = torch.device("cuda", index)
     own = device_capability_arch(device)
-    wanted = requested_arch()
+    wanted = requested_arch()  # raises if the variable changed since the process first read it
     if wanted is None or wanted == own:
         return own
     gaps = emulation_gaps(wanted, own)
@@ -156,17 +164,17 @@ def emulated_arch(device: torch.device):
     None (also off CUDA, and for a device outside the catalogue with the variable unset)."""
     if device.type != "cuda" or not os.environ.get(ARCH_ENV, "").strip():
         return None
-    arch = runtime_arch(device)
+    arch = device_arch(device)
     return None if arch == device_capability_arch(device) else arch
 
 
 def arch_kwargs(device: torch.device) -> dict:
-    """Every fp4moe kernel launch's ``arch`` option: Triton lowers the kernel for ``runtime_arch``
+    """Every fp4moe kernel launch's ``arch`` option: Triton lowers the kernel for ``device_arch``
     (the device's own, or ``FP4MOE_ARCH``'s) whatever ``TRITON_OVERRIDE_ARCH`` says, and its
     in-memory cache keys the kernel by it. Nothing off CUDA or under the interpreter."""
     if device.type != "cuda" or interpreting():
         return {}
-    return {"arch": runtime_arch(device).name}
+    return {"arch": device_arch(device).name}
 
 
 def check_native_fp4(device: torch.device) -> None:
@@ -175,7 +183,7 @@ def check_native_fp4(device: torch.device) -> None:
     not assemble there."""
     if device.type != "cuda":
         return
-    own, planned = device_capability_arch(device), runtime_arch(device)
+    own, planned = device_capability_arch(device), device_arch(device)
     if planned.fp4_mma != "none" and planned.fp4_mma != own.fp4_mma:
         have = "no FP4 MMA" if own.fp4_mma == "none" else f"FP4 MMA by {own.fp4_mma}"
         raise ValueError(f"{ARCH_ENV}={planned.name} plans W4A4 on FP4 MMA by {planned.fp4_mma}; "
@@ -191,7 +199,7 @@ def pdl_enabled(device: torch.device) -> int:
     if device.type != "cuda" or interpreting() or os.environ.get("FP4MOE_PDL", "1") == "0":
         return 0
     try:
-        arch = runtime_arch(device)
+        arch = device_arch(device)
     except ValueError:
         if os.environ.get(ARCH_ENV, "").strip():  # a name or a device FP4MOE_ARCH cannot use: say so
             raise

@@ -20,7 +20,7 @@ from .. import guard
 from ..arch import Arch
 from ..formats import NVFP4, FP4Format, get_format
 from ..quantize import FP4Tensor, dequantize, quantize
-from ._runtime import arch_kwargs, check_native_fp4, fast_decode, fast_fold, interpreting, mma_dtype, runtime_arch
+from ._runtime import arch_kwargs, check_native_fp4, device_arch, fast_decode, fast_fold, interpreting, mma_dtype
 
 Mode = Literal["w4a16", "w4a4"]
 Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
@@ -141,12 +141,6 @@ def _heuristic_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None,
     if arch is None or arch.bf16_mma == "wgmma":
         return LinearConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3)
     return LinearConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3)
-
-
-def device_arch(device: torch.device) -> Arch | None:
-    """The catalogue architecture whose kernels run on a CUDA device (``_runtime.runtime_arch``:
-    the device's own unless ``FP4MOE_ARCH`` names another it can run); None for CPU (the interpreter)."""
-    return runtime_arch(device)
 
 
 def target_path(mode: Mode, arch: Arch | None) -> Path:
