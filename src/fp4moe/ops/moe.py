@@ -479,14 +479,25 @@ class MMAHeights:
         return f"{self.small}+{self.large}@{self.rows}"
 
 
+#: x steps in the shared-memory ring of ``MMAHeights``' tall class (``MMAConfig.xs``; 0: x in
+#: registers). Session 26 (H200, GLM-5 experts, ``scripts/try_moe_class_configs.py``, interleaved,
+#: benchmarks/raw/try-moe-class-configs-c1-h200.json): ncu's source counters put the 16-row GEMM 1
+#: loop's stalls on the HMMAs that wait for x's loads; through the ring the 107 experts of 9-16 rows
+#: at 256 tokens ran GEMM 1 in 471.8 against 506.1 us and GEMM 2 in 252.5 against 258.4 (at 192
+#: tokens, 47 experts: 226.5 against 229.9 and level), bitwise the same. The 8-row class and the
+#: one-height configurations stay in registers (session 24: the ring there was 3-4% slower).
+MMA_HEIGHTS_X_STAGES = 2
+
+
 def mma_moe_layer_config(rows_per_expert: float):
     """The decode path's configuration: ``mma_moe_config``'s, or where its tiles are taller than
     8 rows and experts average at most ``MMA_HEIGHTS_ROWS``, an ``MMAHeights`` of the 8-row
-    configuration for the experts of at most 8 rows and that one for the others."""
+    configuration for the experts of at most 8 rows and that one, with x through a shared-memory
+    ring of ``MMA_HEIGHTS_X_STAGES`` steps, for the others."""
     cfg = mma_moe_config(rows_per_expert)
     small = mma_moe_config(1)
     if cfg.block_m > small.block_m and rows_per_expert <= MMA_HEIGHTS_ROWS:
-        return MMAHeights(small, cfg, small.block_m)
+        return MMAHeights(small, replace(cfg, xs=MMA_HEIGHTS_X_STAGES), small.block_m)
     return cfg
 
 

@@ -1,0 +1,61 @@
+"""A/B measurement of the whole GLM-5 MoE layer (``ops.moe.moe_experts``: routing ids given,
+dispatch -> GEMMs -> combine) under CUDA graphs with one module constant of ``fp4moe.ops.moe`` at
+two values, timed interleaved in one process (one clock for both), outputs compared bitwise.
+GPU only.
+Usage: PYTHONPATH=src python3 scripts/try_moe_layer_ab.py --name MMA_HEIGHTS_X_STAGES --values 0,2
+       [--tokens 64,128,192,256] [--out DIR]"""
+import argparse
+import json
+import os
+
+import torch
+
+from fp4moe.ops import moe as moe_ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--values", required=True, help="two Python literals")
+    ap.add_argument("--tokens", default="64,128,192,256")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import ast
+
+    from fp4moe.bench.moe import _router, random_experts
+    from fp4moe.bench.timing import time_cuda_graphs
+    from fp4moe.models import get_model
+
+    values = [ast.literal_eval(v) for v in args.values.split(",")]
+    if not hasattr(moe_ops, args.name):
+        raise SystemExit(f"fp4moe.ops.moe has no {args.name}")
+    spec = get_model("glm-5")
+    E, H, I = spec.n_experts, spec.hidden, spec.expert_intermediate
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = random_experts(E, H, I, spec.fmt, gen)
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
+        ids, wts = _router(spec)(logits, None)[:2]
+
+        def layer(v):
+            def run():
+                setattr(moe_ops, args.name, v)
+                return moe_ops.moe_experts(x, w13, w2, ids, wts)
+            return run
+
+        outs = [layer(v)() for v in values]
+        fns = {f"{args.name}={v}": layer(v) for v in values}
+        res = {kk: vv.median_us for kk, vv in time_cuda_graphs(fns, iters_per_graph=10, reps=15).items()}
+        row = dict(T=T, bitwise=bool(torch.equal(outs[0], outs[1])), us=res)
+        print(T, row["bitwise"], {kk: round(vv, 1) for kk, vv in res.items()}, flush=True)
+        rows.append(row)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(f"{args.out}/try-moe-layer-ab-{args.name.lower()}-h200.json", "w") as f:
+            json.dump(dict(about=__doc__.splitlines()[0], name=args.name, values=values, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
