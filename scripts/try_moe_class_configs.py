@@ -24,21 +24,14 @@ def main() -> None:
     ap.add_argument("--configs", default="mma_n128_m16_k128_w4_xs2,mma_n128_m16_k128_w4_xs3")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from fp4moe.bench.moe import _router, random_experts
     from fp4moe.bench.timing import time_cuda_graphs
-    from fp4moe.models import get_model
+    from moe_decode_setup import decode_experts
 
-    spec = get_model("glm-5")
-    E, H, I, k = spec.n_experts, spec.hidden, spec.expert_intermediate, spec.routing.top_k
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, w2 = random_experts(E, H, I, spec.fmt, gen)
-    p13, p2 = moe_ops.mma_packed_experts(w13), moe_ops.mma_packed_experts(w2)
-    g13 = moe_ops._weight_globals(w13)
+    ex = decode_experts()
+    E, H, I, k, p13, p2, g13 = ex.E, ex.H, ex.I, ex.k, ex.p13, ex.p2, ex.g13
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
-        ids, _ = _router(spec)(logits, None)[:2]
+        x, ids, _ = ex.batch(T)
         heights = moe_ops.mma_moe_layer_config(T * k / E)
         base, rws = heights.classes()[args.cls]
         plan = dispatch(ids, E, heights.block_m)

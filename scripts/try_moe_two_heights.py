@@ -44,22 +44,14 @@ def main() -> None:
                                                      "timed as extra variants of the first --b-configs entry")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from fp4moe.bench.moe import _router, random_experts
     from fp4moe.bench.timing import time_cuda_graph
-    from fp4moe.models import get_model
+    from moe_decode_setup import decode_experts
 
-    spec = get_model("glm-5")
-    E, H, I, k = spec.n_experts, spec.hidden, spec.expert_intermediate, spec.routing.top_k
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, w2 = random_experts(E, H, I, spec.fmt, gen)
-    p13, p2 = moe_ops.mma_packed_experts(w13), moe_ops.mma_packed_experts(w2)
-    g13 = moe_ops._weight_globals(w13)
-    route = _router(spec)
+    ex = decode_experts()
+    E, H, I, k, w13, w2, p13, p2, g13 = ex.E, ex.H, ex.I, ex.k, ex.w13, ex.w2, ex.p13, ex.p2, ex.g13
     res = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
-        ids, wts = route(logits, None)[:2]
+        x, ids, wts = ex.batch(T)
         layer = lambda: moe_ops.moe_experts(x, w13, w2, ids, wts)  # noqa: E731
         t_layer = time_cuda_graph(layer, iters_per_graph=10, reps=10).median_us
         cfg16 = moe_ops.mma_moe_config(T * k / E)
