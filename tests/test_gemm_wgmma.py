@@ -105,14 +105,17 @@ def test_moe_decode_heights_choice():
     16-row one for the others, two launches per GEMM (``MMAHeights``); elsewhere one configuration."""
     from fp4moe.ops.dispatch import ALL_ROWS
     from fp4moe.ops.mma_layout import MMAConfig
-    from fp4moe.ops.moe import MMA_HEIGHTS_ROWS, MMAHeights, mma_moe_config, mma_moe_layer_config
+    from fp4moe.ops.moe import (MMA_HEIGHTS_ROWS, MMA_HEIGHTS_X_STAGES, MMAHeights, mma_moe_config,
+                                mma_moe_layer_config)
 
     small, large = mma_moe_config(1.0), mma_moe_config(8.0)
+    tall = replace(large, xs=MMA_HEIGHTS_X_STAGES)  # the tall class reads x through the shared-memory ring
+    assert (small.xs, large.xs, MMA_HEIGHTS_X_STAGES) == (0, 0, 2)
     for rows in (4.1, 6.0, float(MMA_HEIGHTS_ROWS)):
         cfg = mma_moe_layer_config(rows)
-        assert cfg == MMAHeights(small, large, 8) and cfg.block_m == 16 and cfg.split_k == 1
-        assert cfg.classes() == ((small, (0, 8)), (large, (8, ALL_ROWS)))
-        assert str(cfg) == "mma_n64_m8_k256_w4+mma_n128_m16_k128_w4@8"
+        assert cfg == MMAHeights(small, tall, 8) and cfg.block_m == 16 and cfg.split_k == 1
+        assert cfg.classes() == ((small, (0, 8)), (tall, (8, ALL_ROWS)))
+        assert str(cfg) == "mma_n64_m8_k256_w4+mma_n128_m16_k128_w4_xs2@8"
     assert mma_moe_layer_config(1.0) == small and mma_moe_layer_config(4.0) == small
     assert mma_moe_layer_config(MMA_HEIGHTS_ROWS + 0.1) == large  # (SM80 up to MAX_M rows)
     with pytest.raises(ValueError, match="shorter"):
