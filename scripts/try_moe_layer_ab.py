@@ -22,22 +22,17 @@ def main() -> None:
     args = ap.parse_args()
     import ast
 
-    from fp4moe.bench.moe import _router, random_experts
     from fp4moe.bench.timing import time_cuda_graphs
-    from fp4moe.models import get_model
+    from moe_decode_setup import decode_experts
 
     values = [ast.literal_eval(v) for v in args.values.split(",")]
     if not hasattr(moe_ops, args.name):
         raise SystemExit(f"fp4moe.ops.moe has no {args.name}")
-    spec = get_model("glm-5")
-    E, H, I = spec.n_experts, spec.hidden, spec.expert_intermediate
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, w2 = random_experts(E, H, I, spec.fmt, gen)
+    ex = decode_experts()
+    w13, w2 = ex.w13, ex.w2
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        logits = torch.randn(T, E, device="cuda", dtype=torch.float32, generator=gen)
-        ids, wts = _router(spec)(logits, None)[:2]
+        x, ids, wts = ex.batch(T)
 
         def layer(v):
             def run():
