@@ -13,8 +13,17 @@ import re
 import torch
 
 M32 = 0xFFFFFFFF
-INSTRUCTIONS = frozenset({"mov.b32", "shr.u32", "and.b32", "mul.lo.u32", "mad.lo.u32", "cvt.u32.u16", "prmt.b32",
-                          "fma.rn.bf16x2"})
+INSTRUCTIONS = frozenset({"mov.b32", "shr.u32", "shl.b32", "shf.l.wrap.b32", "and.b32", "lop3.b32", "mul.lo.u32",
+                          "mad.lo.u32", "cvt.u32.u16", "prmt.b32", "fma.rn.bf16x2"})
+
+
+def _lop3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, lut: int) -> torch.Tensor:
+    """lop3.b32: each result bit is bit (4 a + 2 b + c) of ``lut`` (a = 0xF0, b = 0xCC, c = 0xAA)."""
+    out = torch.zeros_like(a)
+    for i in range(8):
+        if lut >> i & 1:
+            out |= (a if i & 4 else ~a) & (b if i & 2 else ~b) & (c if i & 1 else ~c)
+    return out & M32
 
 
 def instructions_of(asm: str) -> set[str]:
@@ -78,6 +87,13 @@ def run_ptx(asm: str, operands: list, n_out: int) -> list[torch.Tensor]:
             r = a[0]
         elif op == "shr.u32":
             r = a[0] >> a[1]
+        elif op == "shl.b32":  # shift counts above 31 clamp to 32 (the result is 0)
+            r = a[0] << torch.clamp(a[1], max=32)
+        elif op == "shf.l.wrap.b32":  # the high word of {a[1]:a[0]} << (n mod 32)
+            n = a[2] & 31
+            r = (a[1] << n) | (a[0] >> (32 - n))  # n = 0: a[0] >> 32 is 0 (a[0] < 2**32)
+        elif op == "lop3.b32":
+            r = _lop3(a[0], a[1], a[2], int(a[3]))
         elif op == "and.b32":
             r = a[0] & a[1]
         elif op == "mul.lo.u32":

@@ -1,4 +1,4 @@
-"""The decode kernels' inline PTX (``kernels.linear_mma``: ``DECODE_ASM``, ``scale_asm``), run
+"""The decode kernels' inline PTX (``kernels.linear_mma``: ``DECODE_ASMS``, ``scale_asm``), run
 instruction by instruction on CPU by a small interpreter of the instructions it uses
 (``ptx_interp``), for every E2M1 code at every value position of a word and every stored scale
 code of both formats.
@@ -7,7 +7,7 @@ The asm itself only runs in compiled CUDA (Gluon); the GPU tests check the kerne
 against the reference. This test checks the arithmetic of the text the kernels embed on a
 machine without a GPU: each decoded bf16 value, times the kernel's fold, must be exactly
 ``E2M1(code) * scale``, with -0 kept, for words laid out as ``ops.mma_layout.pack_words`` writes
-them.
+them, in each stored bit order with its own decode.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fp4moe.formats import E2M1_VALUES, e4m3_to_e5m3
-from fp4moe.kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
-from fp4moe.ops.mma_layout import WORD_BITS, pack_words, word_codes
+from fp4moe.kernels.linear_mma import DECODE_ASMS, FOLD_E4M3, FOLD_E8M0, decode_asm, scale_asm
+from fp4moe.ops.mma_layout import WORD_ORDERS, pack_words, word_codes
 from ptx_interp import INSTRUCTIONS, bf16_to_float, instructions_of, run_ptx
 
 # output k of the decode holds value VALUE[k] of its word; outputs 0, 1, 4, 5 use the first scale pair
@@ -41,8 +41,9 @@ def _mxfp4_scales() -> list[tuple[int, float]]:
     return [(e + 127, 2.0 ** e) for e in range(-106, 28)]
 
 
+@pytest.mark.parametrize("order", sorted(WORD_ORDERS))
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["nvfp4", "mxfp4"])
-def test_decode_asm_is_exact_for_every_code_and_scale(mxfp4):
+def test_decode_asm_is_exact_for_every_code_and_scale(mxfp4, order):
     scales = _mxfp4_scales() if mxfp4 else _nvfp4_scales()
     fold = FOLD_E8M0 if mxfp4 else FOLD_E4M3
     n = len(scales)
@@ -56,21 +57,32 @@ def test_decode_asm_is_exact_for_every_code_and_scale(mxfp4):
     codes = torch.randint(0, 16, (n, 128, 8), generator=g)
     word = torch.arange(128)
     codes[:, word, word // 16] = word % 16
-    out = run_ptx(DECODE_ASM, [pack_words(codes), sg[:, None], sh[:, None]], 8)
+    out = run_ptx(decode_asm(order), [pack_words(codes, order), sg[:, None], sh[:, None]], 8)
     values = torch.tensor(E2M1_VALUES, dtype=torch.float64)
     for k in range(8):
         got = bf16_to_float(out[k]).double() * fold
         want = values[codes[..., VALUE[k]]] * (scale_g if ROW_G[k] else scale_h)[:, None]
-        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), (mxfp4, k)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), (mxfp4, order, k)
 
 
-def test_word_bits_place_every_bit_once_and_round_trip():
-    """``WORD_BITS`` is a permutation of the word's 32 bits, and ``word_codes`` inverts ``pack_words``."""
-    assert sorted(b for value in WORD_BITS for b in value) == list(range(32))
+@pytest.mark.parametrize("order", sorted(WORD_ORDERS))
+def test_word_bits_place_every_bit_once_and_round_trip(order):
+    """Each order of ``WORD_ORDERS`` is a permutation of the word's 32 bits, and ``word_codes``
+    inverts ``pack_words``; the orders differ, so a word read in the wrong one decodes wrongly."""
+    assert sorted(b for value in WORD_ORDERS[order] for b in value) == list(range(32))
     codes = torch.randint(0, 16, (1000, 8), generator=torch.Generator().manual_seed(1))
-    words = pack_words(codes)
-    assert words.dtype == torch.int32 and torch.equal(word_codes(words), codes)
+    words = pack_words(codes, order)
+    assert words.dtype == torch.int32 and torch.equal(word_codes(words, order), codes)
+    other = next(o for o in WORD_ORDERS if o != order)
+    assert not torch.equal(word_codes(words, other), codes)
+
+
+def test_unknown_order_is_refused():
+    with pytest.raises(ValueError, match="order"):
+        decode_asm("nibbles")
+    with pytest.raises(ValueError, match="order"):
+        pack_words(torch.zeros(1, 8, dtype=torch.int64), "rotate")
 
 
 def test_interpreter_knows_every_instruction_of_the_asm():
-    assert instructions_of(DECODE_ASM + scale_asm(False)) <= INSTRUCTIONS
+    assert instructions_of("".join(DECODE_ASMS.values()) + scale_asm(False)) <= INSTRUCTIONS

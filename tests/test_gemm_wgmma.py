@@ -84,6 +84,14 @@ def test_moe_config_choice():
     assert mma_moe_config(3.0) == MMAConfig(rb=1, warps=4, kh=4, block_m=8, split_k=1)
     # past 4 rows per expert: 16-row tiles, two row blocks per warp share each x fragment
     assert mma_moe_config(8.0) == MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
+    # few token-expert pairs (the experts' count given): K split in two, then two-warp programs
+    from fp4moe.ops.moe import FEW_PAIRS
+
+    assert FEW_PAIRS == (8, 16)
+    assert mma_moe_config(8 / 256, 256) == MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)
+    assert mma_moe_config(16 / 256, 256) == MMAConfig(rb=1, warps=2, kh=4, block_m=8, split_k=1)
+    assert mma_moe_config(24 / 256, 256) == mma_moe_config(24 / 256) == mma_moe_config(3.0)
+    assert mma_moe_config(8.0, 256) == mma_moe_config(8.0)
     assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
     assert wgmma_moe_config(127.9) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)

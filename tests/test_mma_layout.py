@@ -71,16 +71,20 @@ def test_pack_refuses_bad_input():
         pack_mma(quantize(torch.randn(2, 16, 64), NVFP4))
 
 
+@pytest.mark.parametrize("order", ["nibble", "rotation"])
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
-def test_decoder_model_gives_the_documented_fragments(fmt):
-    """Run the kernel's PTX (``DECODE_ASM``, ``scale_asm``, interpreted by ``ptx_interp``) on packed
-    words and check that value (i2, i1, i0) of lane 4g+t, word kl of chunk kc, row block rb is
-    W[16 rb + g + 8 i1, k] * 2**(F-126) with k the stored K order 64 kc + 16 t + 4 kl + 2 i2 + i0."""
-    from fp4moe.kernels.linear_mma import DECODE_ASM, scale_asm
+def test_decoder_model_gives_the_documented_fragments(fmt, order):
+    """Run the kernel's PTX (``decode_asm(order)``, ``scale_asm``, interpreted by ``ptx_interp``) on
+    words packed in that bit order and check that value (i2, i1, i0) of lane 4g+t, word kl of chunk
+    kc, row block rb is W[16 rb + g + 8 i1, k] * 2**(F-126) with k the stored K order
+    64 kc + 16 t + 4 kl + 2 i2 + i0; ``unpack_mma`` reads the pack back in its order."""
+    from fp4moe.kernels.linear_mma import decode_asm, scale_asm
 
     N, K = 48, 192
     w = _weights(N, K, fmt, seed=3)
-    p = pack_mma(w)
+    p = pack_mma(w, order)
+    assert p.order == order and p.to("cpu").order == order
+    assert torch.equal(dequantize(unpack_mma(p)), dequantize(w))
     # the kernel applies the global scale in its epilogue: compare with code x block scale
     ref = dequantize(FP4Tensor(w.data, w.scales, torch.ones(1), w.shape, fmt) if fmt is NVFP4 else w, torch.float32)
     fold = 2.0 ** (118 - 126) if fmt is NVFP4 else 2.0 ** (100 - 126)
@@ -91,7 +95,7 @@ def test_decoder_model_gives_the_documented_fragments(fmt):
     else:  # [nb, kc, 8, 4] -> lane (g, t): pair at t // 2
         pair = sb.reshape(*sb.shape[:2], 8, 2, 2)[:, :, :, [0, 0, 1, 1], :].reshape(*sb.shape[:2], 32, 2)
     sg, sh = run_ptx(scale_asm(fmt is not NVFP4), [pair[..., 0] | (pair[..., 1] << 8)], 2)
-    vals = run_ptx(DECODE_ASM, [words, sg.unsqueeze(-1), sh.unsqueeze(-1)], 8)  # $2j + i0: register j = 2 i2 + i1
+    vals = run_ptx(decode_asm(order), [words, sg.unsqueeze(-1), sh.unsqueeze(-1)], 8)  # $2j + i0: reg j = 2 i2 + i1
     out = torch.empty(*words.shape, 2, 2, 2)  # [..., i2, i1, i0]
     for k, v in enumerate(vals):
         out[..., k // 4, k // 2 % 2, k % 2] = bf16_to_float(v)
@@ -525,6 +529,41 @@ def test_gpu_x_per_chunk_is_bitwise_the_step_form(fmt, M, N, K, pad):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
+def test_gpu_rotation_order_is_bitwise_the_nibble_order(fmt):
+    """The same weight packed in both bit orders (``MMAPackedFP4.order``) gives bit for bit the same
+    output on every kernel that decodes the pack: the decode kernel's one-launch and grid-split
+    forms, the 16-row tile with x through the ring, and the wgmma kernel (8 tokens and 256)."""
+    from fp4moe.ops.linear import fp4_linear_reference
+    from fp4moe.ops.mma_layout import WgmmaConfig, launch_linear_mma, launch_linear_wgmma
+
+    torch.manual_seed(0)
+    N, K = 384, 1024
+    w = quantize(torch.randn(N, K, device="cuda"), fmt)
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    packs = [pack_mma(w, "nibble"), pack_mma(w, "rotation")]
+    assert not torch.equal(packs[0].words, packs[1].words)
+    for M, c in [(3, MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=2)),
+                 (16, MMAConfig(rb=2, warps=2, kh=2, block_m=16, kw=2, pdl=2, xs=2)),
+                 (5, MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)), (256, WgmmaConfig())]:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        ys = []
+        for p in packs:
+            y = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+            if isinstance(c, MMAConfig):
+                launch_linear_mma(x, p, bias, y, c)
+            elif torch.cuda.get_device_capability()[0] == 9:
+                launch_linear_wgmma(x, p, bias, y, c)
+            else:
+                continue
+            ys.append(y)
+        if ys:
+            ref = fp4_linear_reference(x, w, bias).float()
+            assert torch.equal(ys[0], ys[1]), c
+            assert float((ys[1].float() - ref).abs().max() / ref.abs().max()) < 1e-2, c
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FMTS, ids=str)
 @pytest.mark.parametrize("M,N,K", [(16, 6144, 12288), (9, 2048, 28672), (13, 200, 6112), (3, 4096, 6144),
                                    (16, 96, 1024)])
 def test_gpu_l2_prefetch_ahead_is_bitwise_without(fmt, M, N, K):
@@ -602,11 +641,11 @@ def test_gpu_decode_heights_equal_one_height(monkeypatch, fmt, T, rows):
     heights = MMAHeights(mma_moe_config(1.0), mma_moe_config(8.0), rows)
     counts = torch.bincount(p.topk_ids[p.topk_ids >= 0].long(), minlength=64)
     assert int(((counts > 0) & (counts <= rows)).sum()) and int((counts > rows).sum())  # both classes run
-    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda r: heights)
+    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda *a: heights)
     guard.reset()
     two = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
     assert any(key.config == str(heights) for key in guard._checked)
-    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda r: heights.large)
+    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda *a: heights.large)
     one = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
     assert torch.equal(two, one)
 
@@ -620,7 +659,7 @@ def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, p
     from fp4moe.ops import moe as moe_ops
 
     cfg = MMAConfig(rb=2 if block_m == 16 else 1, warps=4, kh=2 if block_m == 16 else 4, block_m=block_m, xs=xs)
-    monkeypatch.setattr(moe_ops, "mma_moe_config", lambda rows: cfg)
+    monkeypatch.setattr(moe_ops, "mma_moe_config", lambda *a: cfg)
     check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
 
 

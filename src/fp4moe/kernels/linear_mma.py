@@ -74,7 +74,43 @@ NVFP4_SCALE_MAD = (16, 0x75807580)  # E5M3 code (bias -10) << 4, exponent + 235:
 MXFP4_SCALE_MAD = (128, 0x32003200)  # E8M0 e << 7, exponent + 100: scale * 2**100
 FOLD_E4M3 = 256.0  # 2**(126 - 118)
 FOLD_E8M0 = 67108864.0  # 2**(126 - 100)
+# The same 8 values from a word in the rotation order (``ops.mma_layout.WORD_ORDERS["rotation"]``):
+# register j takes its 8 bits from the word shifted or rotated left by 6, 12, 2 (one mask each);
+# register 3's exponent and sign bits already sit in place and its two mantissa bits come from the
+# word rotated by 8 (one lop3: (rot & m) | (w & m')). 9 integer operations per word against 13.
+_DECODE_ASM_ROTATION = """
+{
+.reg .b32 m3, u0, u1, u2, u3, r0, r1, r2, r3, nz;
+mov.b32 nz, 0x80008000;
+shl.b32 u0, $8, 6;
+shf.l.wrap.b32 u1, $8, $8, 12;
+shl.b32 u2, $8, 2;
+shf.l.wrap.b32 m3, $8, $8, 8;
+and.b32 u0, u0, 0x81C081C0;
+and.b32 u1, u1, 0x81C081C0;
+and.b32 u2, u2, 0x81C081C0;
+and.b32 u3, $8, 0x81808180;
+lop3.b32 u3, m3, 0x00400040, u3, 0xEA;
+fma.rn.bf16x2 r0, u0, $9, nz;
+fma.rn.bf16x2 r1, u1, $10, nz;
+fma.rn.bf16x2 r2, u2, $9, nz;
+fma.rn.bf16x2 r3, u3, $10, nz;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
 DECODE_ASM = _DECODE_ASM
+#: the decode of each stored bit order of the packed words (``ops.mma_layout.WORD_ORDERS``)
+DECODE_ASMS = {"nibble": _DECODE_ASM, "rotation": _DECODE_ASM_ROTATION}
+
+
+def decode_asm(order: str) -> str:
+    """The ``DECODE`` constexpr of the decode kernels for words stored in bit order ``order``."""
+    if order not in DECODE_ASMS:
+        raise ValueError(f"order: expected one of {sorted(DECODE_ASMS)}, got {order!r}")
+    return DECODE_ASMS[order]
 
 
 def scale_asm(mxfp4: bool) -> str:

@@ -8,9 +8,12 @@ and the encoding of the scales change.
 Words. Rows are cut in blocks of 16, K in chunks of 64. In ``mma.sync.m16n8k16`` a lane
 ``l = 4g + t`` holds, of a 16x16 A tile, the values (i2, i1, i0) at row ``g + 8*i1`` and column
 ``8*i2 + 2t + i0``. Word ``[rb, kc, l, kl]`` holds those 8 values of the tile (rows
-``16 rb ..``, K ``64 kc + 16 kl ..``), value (i2, i1, i0) in nibble ``p = 4*i0 + 2*i2 + i1``
-(``WORD_BITS``): nibbles p and p + 4 (one bf16x2 operand register) sit 16 bits apart, so one mask
-and one multiply place both (the decoder's comment has the arithmetic).
+``16 rb ..``, K ``64 kc + 16 kl ..``), value (i2, i1, i0) as value ``p = 4*i0 + 2*i2 + i1`` of the
+word, its four code bits where the pack's bit order (``MMAPackedFP4.order``, ``WORD_ORDERS``)
+puts them: "nibble", nibble p, so that nibbles p and p + 4 (one bf16x2 operand register) sit 16
+bits apart and one mask and one multiply place both (13 integer operations per word); "rotation",
+bits placed so that shifts and rotations of the word place them (9 operations). The decoders'
+comments (``kernels.linear_mma``) have the arithmetic.
 
 Scales. NVFP4: E4M3 re-encoded as E5M3 with exponent bias -10 (every E4M3 value, subnormals
 included, is a normal E5M3 number with exponent code 1..18), so that ``(code << 4) + (235 << 7)``
@@ -33,33 +36,47 @@ from ._runtime import arch_kwargs, check_weight_scales, pdl_enabled, pdl_kwargs
 ROWS = 16  # weight rows per block (the MMA's M)
 KCHUNK = 64  # K per 4 words of a lane
 
-#: bit positions in its word of value p's E2M1 code bits (mantissa, exponent low, exponent high,
-#: sign): nibble p. ``kernels.linear_mma.DECODE_ASM`` reads them this way, and ``pack_words`` /
-#: ``word_codes`` (the pack, its inverse and the tests) take the placement from here only. A
-#: placement that needs 9 integer operations per word to decode instead of 13 exists, and ran
-#: 4-37% slower on the H200 (notes/linear-perf.md, session 22).
-WORD_BITS = tuple((4 * p, 4 * p + 1, 4 * p + 2, 4 * p + 3) for p in range(8))
+#: per stored bit order, the bit positions in its word of value p's E2M1 code bits (mantissa,
+#: exponent low, exponent high, sign); ``kernels.linear_mma.DECODE_ASMS`` decodes each, and
+#: ``pack_words`` / ``word_codes`` (the pack, its inverse and the tests) take the placement from
+#: here only. "nibble": nibble p (13 integer operations per word). "rotation": register j (values
+#: j, j + 4) from the word shifted or rotated by 6, 12, 2, 8 (9 operations; found by an exact-cover
+#: search, session 22). On the H200 the rotation order ran the plain linear's decode 4-37% slower
+#: (ptxas issued the next step's weight loads late; notes/linear-perf.md, session 22) and the MoE
+#: layer's grouped GEMMs up to 8% faster (session 27), so each pack records its order.
+WORD_ORDERS = {
+    "nibble": tuple((4 * p, 4 * p + 1, 4 * p + 2, 4 * p + 3) for p in range(8)),
+    "rotation": ((0, 1, 2, 9), (26, 27, 28, 3), (4, 5, 6, 13), (30, 7, 8, 15),
+                 (16, 17, 18, 25), (10, 11, 12, 19), (20, 21, 22, 29), (14, 23, 24, 31)),
+}
 
 
-def _spread_table(device) -> torch.Tensor:
-    """int64 [8, 16]: the bits of code c (0..15) at value p's positions, ``WORD_BITS[p]``."""
-    pos = torch.tensor(WORD_BITS, dtype=torch.int64, device=device)  # [8, 4]
+def _word_bits(order: str) -> tuple:
+    if order not in WORD_ORDERS:
+        raise ValueError(f"order: expected one of {sorted(WORD_ORDERS)}, got {order!r}")
+    return WORD_ORDERS[order]
+
+
+def _spread_table(device, order: str) -> torch.Tensor:
+    """int64 [8, 16]: the bits of code c (0..15) at value p's positions in ``order``."""
+    pos = torch.tensor(_word_bits(order), dtype=torch.int64, device=device)  # [8, 4]
     c = torch.arange(16, dtype=torch.int64, device=device)
     bits = (c[:, None] >> torch.arange(4, device=device)) & 1  # [16, 4]
     return (bits[None] << pos[:, None]).sum(-1)
 
 
-def pack_words(codes: torch.Tensor) -> torch.Tensor:
-    """int32 words of E2M1 codes [..., 8] (value p of each word last), as ``WORD_BITS`` places them."""
-    table = _spread_table(codes.device)
+def pack_words(codes: torch.Tensor, order: str = "nibble") -> torch.Tensor:
+    """int32 words of E2M1 codes [..., 8] (value p of each word last), as ``WORD_ORDERS[order]``
+    places them."""
+    table = _spread_table(codes.device, order)
     words = table[torch.arange(8, device=codes.device), codes.to(torch.int64)].sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def word_codes(words: torch.Tensor) -> torch.Tensor:
+def word_codes(words: torch.Tensor, order: str = "nibble") -> torch.Tensor:
     """The E2M1 codes [..., 8] (value p last, int64) of int32 ``words`` (``pack_words`` inverted)."""
     w = words.to(torch.int64).unsqueeze(-1) & 0xFFFFFFFF
-    pos = torch.tensor(WORD_BITS, dtype=torch.int64, device=words.device)  # [8, 4]
+    pos = torch.tensor(_word_bits(order), dtype=torch.int64, device=words.device)  # [8, 4]
     return sum(((w >> pos[:, b]) & 1) << b for b in range(4))
 
 
@@ -69,7 +86,8 @@ class MMAPackedFP4:
 
     words: int32 [N_pad/16, K_pad/64, 32, 4]; scales: uint8 [N_pad/16, K_pad/64, 32, 2] (NVFP4)
     or [N_pad/16, K_pad/64, 8, 4] (MXFP4); global_scale: as ``FP4Tensor`` (one value or None);
-    shape: the logical [N, K]; N and K are padded with zeros to 16 and 64.
+    shape: the logical [N, K]; N and K are padded with zeros to 16 and 64; order: the words' bit
+    order (``WORD_ORDERS``), which the kernels' decode follows (``kernels.linear_mma.decode_asm``).
     """
 
     words: torch.Tensor
@@ -77,6 +95,7 @@ class MMAPackedFP4:
     global_scale: torch.Tensor | None
     shape: torch.Size
     fmt: FP4Format
+    order: str = "nibble"
 
     @property
     def device(self) -> torch.device:
@@ -84,7 +103,8 @@ class MMAPackedFP4:
 
     def to(self, device) -> MMAPackedFP4:
         return MMAPackedFP4(self.words.to(device), self.scales.to(device),
-                            None if self.global_scale is None else self.global_scale.to(device), self.shape, self.fmt)
+                            None if self.global_scale is None else self.global_scale.to(device), self.shape, self.fmt,
+                            self.order)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -127,15 +147,17 @@ def cached_pack(w: FP4Tensor, make, *, with_global: bool):
 PACK_ROWS = 4096
 
 
-def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
-    """Re-order a 2-D FP4 weight [N, K] into MMA operand order (any device; PACK_ROWS rows at a
-    time). Checks the scales with one host sync: call it when weights are loaded, not per call."""
+def pack_mma(w: FP4Tensor, order: str = "nibble") -> MMAPackedFP4:
+    """Re-order a 2-D FP4 weight [N, K] into MMA operand order, its words in bit order ``order``
+    (``WORD_ORDERS``; any device; PACK_ROWS rows at a time). Checks the scales with one host sync:
+    call it when weights are loaded, not per call."""
     if not isinstance(w, FP4Tensor):
         raise TypeError(f"w: expected an FP4Tensor, got {type(w).__name__}")
     if len(w.shape) != 2:
         raise ValueError(f"w: expected a 2-D weight [N, K], got shape {tuple(w.shape)}")
     if w.global_scale is not None and w.global_scale.numel() != 1:
         raise ValueError("w: the MMA layout takes one global scale per weight")
+    _word_bits(order)
     N, K = w.shape
     Np, Kp = -(-N // ROWS) * ROWS, -(-K // KCHUNK) * KCHUNK
     sbits = w.scales.view(torch.uint8)
@@ -145,11 +167,13 @@ def pack_mma(w: FP4Tensor) -> MMAPackedFP4:
                          device=w.device)
     for r0 in range(0, N, PACK_ROWS):
         r1 = min(r0 + PACK_ROWS, N)
-        words[r0 // 16:-(-r1 // 16)], scales[r0 // 16:-(-r1 // 16)] = _pack_rows(w.data[r0:r1], sbits[r0:r1], w.fmt, Kp)
-    return MMAPackedFP4(words, scales, w.global_scale, torch.Size((N, K)), w.fmt)
+        words[r0 // 16:-(-r1 // 16)], scales[r0 // 16:-(-r1 // 16)] = _pack_rows(w.data[r0:r1], sbits[r0:r1], w.fmt, Kp,
+                                                                                 order)
+    return MMAPackedFP4(words, scales, w.global_scale, torch.Size((N, K)), w.fmt, order)
 
 
-def _pack_rows(data: torch.Tensor, sbits: torch.Tensor, fmt: FP4Format, Kp: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack_rows(data: torch.Tensor, sbits: torch.Tensor, fmt: FP4Format, Kp: int,
+               order: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Words and scale codes of ``data`` rows (packed bytes) and their scale bits, padded to 16 rows
     and Kp columns."""
     n, K = data.shape[0], data.shape[1] * 2
@@ -165,7 +189,7 @@ def _pack_rows(data: torch.Tensor, sbits: torch.Tensor, fmt: FP4Format, Kp: int)
     scodes = torch.nn.functional.pad(scodes, (0, (Kp - K) // group, 0, npad - n), value=0 if fmt is NVFP4 else 127)
     # stored K (kc, t, kl, i2, i0) -> [rb, kc, g, t, kl, i0, i2, i1]: nibble p = 4 i0 + 2 i2 + i1
     c = codes.reshape(npad // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
-    words = pack_words(c.reshape(npad // 16, Kp // 64, 32, 4, 8))
+    words = pack_words(c.reshape(npad // 16, Kp // 64, 32, 4, 8), order)
     if fmt is NVFP4:  # lane (g, t) owns K group t of the chunk: [rb, i1, g, kc, t] -> [rb, kc, g, t, i1]
         s = scodes.reshape(npad // 16, 2, 8, Kp // 64, 4).permute(0, 3, 2, 4, 1).reshape(npad // 16, Kp // 64, 32, 2)
     else:  # one scale per 32 K, group t // 2: [rb, i1, g, kc, th] -> [rb, kc, g, th, i1]
@@ -179,7 +203,7 @@ def unpack_mma(p: MMAPackedFP4) -> FP4Tensor:
     N, K = p.shape
     nb, kcs = p.words.shape[:2]
     Np, Kp = nb * 16, kcs * 64
-    c = word_codes(p.words).reshape(nb, kcs, 8, 4, 4, 2, 2, 2)  # [rb, kc, g, t, kl, i0, i2, i1]
+    c = word_codes(p.words, p.order).reshape(nb, kcs, 8, 4, 4, 2, 2, 2)  # [rb, kc, g, t, kl, i0, i2, i1]
     codes = c.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(Np, Kp)[:N, :K].to(torch.uint8)
     if p.fmt is NVFP4:
         s = p.scales.reshape(nb, kcs, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(Np, Kp // 16)
@@ -514,7 +538,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
     """The one launch of ``fp4_linear_mma_kw_kernel`` (``config.kw`` > 1): out = x2 @ W^T (+ bias)."""
     import triton
 
-    from ..kernels.linear_mma import (DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kw_kernel, scale_asm,
+    from ..kernels.linear_mma import (FOLD_E4M3, FOLD_E8M0, decode_asm, fp4_linear_mma_kw_kernel, scale_asm,
                                       x_layout_kw)
     from .linear import device_arch
 
@@ -533,7 +557,7 @@ def _launch_kw(x2, p: MMAPackedFP4, bias, out, config: MMAConfig):
         bias if bias is not None else unused, out, M, N, chunks * KCHUNK, x2.shape[1], x2.stride(0), out.stride(0),
         chunks // kw, RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, FOLD=FOLD_E8M0 if mx else FOLD_E4M3,
-        DECODE=DECODE_ASM, SCALE=scale_asm(mx),
+        DECODE=decode_asm(p.order), SCALE=scale_asm(mx),
         X_LAYOUT=x_layout_kw(config.block_m, 1 if config.xc else kh, config.warps, kw), XC=config.xc,
         XA=config.xa, EVEN_K=chunks * KCHUNK == x2.shape[1], PDL=pdl, X_STAGES=_x_stages(config, x2, chunks),
         PF=config.pf if arch is not None and arch.has_tma else 0,  # cp.async.bulk.prefetch.L2: bulk-copy GPUs
@@ -558,7 +582,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     ``bias`` [E, 2N] or None; ``plan_ready`` as ``launch_grouped_mma``'s)."""
     import triton
 
-    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, fp4_linear_mma_kernel, scale_asm, x_layout
+    from ..kernels.linear_mma import FOLD_E4M3, FOLD_E8M0, decode_asm, fp4_linear_mma_kernel, scale_asm, x_layout
 
     if x2.dtype != torch.bfloat16:
         raise TypeError(f"x: the MMA-layout kernel takes bfloat16 activations, got {x2.dtype}")
@@ -581,7 +605,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         wg.stride(0) if wg_mode == 2 else 0, bias.stride(0) if swiglu and bias is not None else 0,
         RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
         HAS_WG=p.global_scale is not None, HAS_BIAS=bias is not None, SPLIT_K=split,
-        FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx),
+        FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=decode_asm(p.order), SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
         GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode,
         X_STAGES=_x_stages(config, x2, chunks),
@@ -591,16 +615,17 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
 
 def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
                         grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0,
-                        plan_ready: bool = False, out_dtype: str = "bf16"):
+                        plan_ready: bool = False, out_dtype: str = "bf16", order: str = "nibble"):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
     for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
     (h, ``wg_mode`` and ``has_bias`` as the weight's). ``out_dtype`` ("bf16" or "fp16"): the plain
     linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's dtype there; the
-    activations themselves are bf16 either way)."""
+    activations themselves are bf16 either way). ``order``: the weight pack's bit order
+    (``MMAPackedFP4.order``; the MoE experts' is ``ops.moe.MOE_WORD_ORDER``)."""
     from ..formats import get_format
-    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
+    from ..kernels.linear_mma import FOLD_E4M3, FOLD_E8M0, decode_asm, scale_asm
     from ..plan.crosscompile import CompileRequest
 
     if out_dtype not in ("bf16", "fp16"):
@@ -618,7 +643,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                      "bias_ptr": f"*{out_dtype}", "y_ptr": f"*{out_dtype}", "M": "i32", "N": "i32", "K": "i32",
                      "K_X": "i32", "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_slice": "i32"}
         constexprs = dict(RB=config.rb, WARPS=config.warps, KW=kw, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
-                          HAS_WG=not mx, HAS_BIAS=has_bias, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
+                          HAS_WG=not mx, HAS_BIAS=has_bias, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=decode_asm(order),
                           SCALE=scale_asm(mx),
                           X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout_kw",
                                     "args": [config.block_m, 1 if config.xc else kh, config.warps, kw]},
@@ -638,7 +663,7 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                  "stride_be": "i32"}
     constexprs = dict(RB=config.rb, WARPS=config.warps, KH=kh, BLOCK_M=config.block_m, MXFP4=mx,
                       HAS_WG=not mx and not grouped, HAS_BIAS=has_bias and (swiglu or not grouped), SPLIT_K=split,
-                      FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM,
+                      FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=decode_asm(order),
                       SCALE=scale_asm(mx),
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
@@ -1009,13 +1034,13 @@ def _s_smem_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
 
 
-def _decode_consts(fmt: FP4Format | str) -> dict:
+def _decode_consts(fmt: FP4Format | str, order: str = "nibble") -> dict:
     """The FP4 decode constexprs of the wgmma kernels for ``fmt`` (MXFP4 flag, scale fold, asm)."""
     from ..formats import get_format
-    from ..kernels.linear_mma import DECODE_ASM, FOLD_E4M3, FOLD_E8M0, scale_asm
+    from ..kernels.linear_mma import FOLD_E4M3, FOLD_E8M0, decode_asm, scale_asm
 
     mx = get_format(fmt) is not NVFP4
-    return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=DECODE_ASM, SCALE=scale_asm(mx))
+    return dict(MXFP4=mx, FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=decode_asm(order), SCALE=scale_asm(mx))
 
 
 def _epilogue_signature(out_type: str, bias_type: str = "*bf16") -> dict[str, str]:
@@ -1041,7 +1066,7 @@ def _x_desc_type(block_m: int) -> str:
 
 def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *, gemm: str = "linear",
                           has_bias: bool = False, wg_mode: int | None = None, out_dtype: str = "bf16",
-                          out_mma_order: bool | None = None):
+                          out_mma_order: bool | None = None, order: str = "nibble"):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the wgmma kernel as the
     launchers call it: ``gemm`` "linear" (plain), "gemm1" (MoE GEMM 1: gather pass, SwiGLU, h in
     MMA order) or "gemm2" (MoE GEMM 2: routing weight, scatter to bf16 pair rows); with ``config.ws`` the
@@ -1049,12 +1074,13 @@ def wgmma_compile_request(config: WgmmaConfig, fmt: FP4Format | str, cc: int, *,
     (default: one per weight for an NVFP4 linear, per expert for NVFP4 MoE, none for MXFP4).
     ``out_dtype`` ("bf16" or "fp16"): the plain linear's output and bias, or GEMM 1's h (emulated
     W4A4 keeps x's dtype there); ``out_mma_order``: GEMM 1 writes h in GEMM 2's MMA K order (the
-    default; emulated W4A4 writes it in K order for its re-quantization)."""
+    default; emulated W4A4 writes it in K order for its re-quantization); ``order``: the weight
+    pack's bit order, as ``mma_compile_request``'s."""
     from ..plan.crosscompile import CompileRequest
 
     if gemm not in ("linear", "gemm1", "gemm2"):
         raise ValueError(f"gemm: expected 'linear', 'gemm1' or 'gemm2', got {gemm!r}")
-    consts = _decode_consts(fmt)
+    consts = _decode_consts(fmt, order)
     if wg_mode is None:
         wg_mode = 0 if consts["MXFP4"] else 1
     if gemm == "linear" and config.tail_m:
@@ -1182,7 +1208,7 @@ def launch_linear_wgmma(x2: torch.Tensor, p: MMAPackedFP4, bias: torch.Tensor | 
             unused, unused, unused, unused, unused, M, N, k_stored, target.stride(-2), 0, 0, tiles_m)
     consts = dict(BLOCK_M=config.block_m, STAGES=config.stages, WG_MODE=1 if p.global_scale is not None else 0,
                   HAS_BIAS=fused_bias is not None, GROUPED=False, SCATTER=False, HAS_RW=False,
-                  GROUP_M=config.group_m, WARPS=config.warps, **_decode_consts(p.fmt))
+                  GROUP_M=config.group_m, WARPS=config.warps, **_decode_consts(p.fmt, p.order))
     grid = (tiles_m * triton.cdiv(N, config.block_n), split)
     if config.persistent:
         config = persistent_where_possible(config, k_stored)
@@ -1300,5 +1326,5 @@ def launch_grouped_wgmma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, p
         SWIGLU=swiglu,
         ALPHA=alpha, LIMIT=limit, GROUPED=True, SCATTER=scatter, HAS_RW=row_weight is not None,
         OUT_MMA_ORDER=out_mma_order, GROUP_M=1, WARPS=config.warps, REPEATS=config.repeats, TAIL_M=config.tail_m,
-        MERGE_TAIL=config.merge_tail, num_warps=config.warps, **_decode_consts(p.fmt), **arch_kwargs(out.device))
+        MERGE_TAIL=config.merge_tail, num_warps=config.warps, **_decode_consts(p.fmt, p.order), **arch_kwargs(out.device))
     return out

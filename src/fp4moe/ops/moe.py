@@ -374,7 +374,7 @@ def packed_layout_config(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, mode: s
         return None
     kernel = packed_moe_kernel(arch, rows_per_expert, w13.shape[1], w2.shape[1], interleaved)
     if kernel == "mma":
-        return mma_moe_layer_config(rows_per_expert)
+        return mma_moe_layer_config(rows_per_expert, w13.shape[0])
     if kernel == "wgmma":
         return wgmma_moe_config(rows_per_expert)
     return None
@@ -404,11 +404,24 @@ def packed_moe_kernel(arch, rows_per_expert: float, n13: int, n2: int, interleav
     return "wgmma" if wgmma else None
 
 
+#: the bit order of the MoE experts' packed words (``ops.mma_layout.WORD_ORDERS``): "rotation",
+#: decoded in 9 integer operations per word instead of the plain linear's 13. H200, GLM-5 layer,
+#: both orders on copies of the same experts in one process, replays interleaved, outputs bitwise
+#: equal (scripts/try_moe_decode_order.py, benchmarks/raw/try-moe-decode-order*-h200.json): 1.03x
+#: at 4 tokens, 1.07-1.10x at 16-64, 1.04-1.08x at 128-256, 1.05x at 4096 (wgmma); at 1-3 tokens
+#: level only with the configurations of ``mma_moe_config`` for few pairs (1 token on the 4-step K
+#: tiles: 0.92x). Qwen3-30B-A3B 1.00-1.05x. The plain linear keeps "nibble": its decode at M <= 16
+#: ran 4-37% slower in the rotation order (session 22: ptxas issues the next step's weight loads
+#: late).
+MOE_WORD_ORDER = "rotation"
+
+
 def mma_packed_experts(w: FP4Tensor):
-    """Stacked expert weights [E, N, K] packed as one [E * N, K] weight in MMA operand order, without
-    global scales (the MoE epilogue applies them per expert or per row); kept with the weight's
-    storage like ``ops.linear.mma_packed`` (and packed again after its bytes or scales changed in
-    place). None while a CUDA graph is captured and no current pack exists."""
+    """Stacked expert weights [E, N, K] packed as one [E * N, K] weight in MMA operand order (bit
+    order ``MOE_WORD_ORDER``), without global scales (the MoE epilogue applies them per expert or
+    per row); kept with the weight's storage like ``ops.linear.mma_packed`` (and packed again after
+    its bytes or scales changed in place). None while a CUDA graph is captured and no current pack
+    exists."""
     from .mma_layout import cached_pack, pack_mma
 
     def make(w: FP4Tensor):
@@ -416,7 +429,7 @@ def mma_packed_experts(w: FP4Tensor):
         ones = torch.ones(1, dtype=torch.float32, device=w.device) if w.global_scale is not None else None
         flat = FP4Tensor(w.data.reshape(E * N, K // 2), w.scales.reshape(E * N, -1), ones, torch.Size((E * N, K)),
                          w.fmt)
-        return replace(pack_mma(flat), global_scale=None)
+        return replace(pack_mma(flat, MOE_WORD_ORDER), global_scale=None)
 
     return cached_pack(w, make, with_global=False)
 
@@ -489,26 +502,42 @@ class MMAHeights:
 MMA_HEIGHTS_X_STAGES = 2
 
 
-def mma_moe_layer_config(rows_per_expert: float):
+def mma_moe_layer_config(rows_per_expert: float, n_experts: int | None = None):
     """The decode path's configuration: ``mma_moe_config``'s, or where its tiles are taller than
     8 rows and experts average at most ``MMA_HEIGHTS_ROWS``, an ``MMAHeights`` of the 8-row
     configuration for the experts of at most 8 rows and that one, with x through a shared-memory
     ring of ``MMA_HEIGHTS_X_STAGES`` steps, for the others."""
-    cfg = mma_moe_config(rows_per_expert)
+    cfg = mma_moe_config(rows_per_expert, n_experts)
     small = mma_moe_config(1)
     if cfg.block_m > small.block_m and rows_per_expert <= MMA_HEIGHTS_ROWS:
         return MMAHeights(small, replace(cfg, xs=MMA_HEIGHTS_X_STAGES), small.block_m)
     return cfg
 
 
-def mma_moe_config(rows_per_expert: float):
+#: token-expert pairs (inclusive) up to which the decode GEMMs take the few-pair configurations of
+#: ``mma_moe_config``: K split in two with 128-K steps, then two-warp programs (``n_experts`` given)
+FEW_PAIRS = (8, 16)
+
+
+def mma_moe_config(rows_per_expert: float, n_experts: int | None = None):
     """One configuration for both grouped GEMMs, no K split (the active experts' row blocks fill the
     GPU): tiles of 8 rows, 64 weight rows and 256 K per step; past 4 rows per expert 16-row tiles
     of 128 weight rows and 128 K per step (two row blocks per warp share each x fragment: GLM-5 at
     256 tokens, H200, ``scripts/sweep_moe_decode.py``, benchmarks/raw/sweep-moe-decode-h200.json:
-    median 1,737-1,824 us over seven runs against 1,811-1,912 with one row block and 256 K)."""
+    median 1,737-1,824 us over seven runs against 1,811-1,912 with one row block and 256 K).
+
+    With ``n_experts``, few pairs (``FEW_PAIRS``: at most 8 active experts, then 16) get more,
+    smaller programs: with the experts' words in the rotation order (``MOE_WORD_ORDER``) the 4-warp
+    256-K tiles wait on their weights there. H200, GLM-5 layer (scripts/try_moe_decode_order.py
+    --configs, benchmarks/raw/try-moe-decode-order-configs-h200.json): 1 token 59.5 -> 54.9 us
+    (K split in two, 128-K steps; the nibble order's 256-K tiles 55.3), 2 tokens 117.0 -> 91.8
+    (two-warp programs; nibble 106.9)."""
     from .mma_layout import MMAConfig
 
+    if n_experts is not None and rows_per_expert * n_experts <= FEW_PAIRS[0]:
+        return MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)
+    if n_experts is not None and rows_per_expert * n_experts <= FEW_PAIRS[1]:
+        return MMAConfig(rb=1, warps=2, kh=4, block_m=8, split_k=1)
     if rows_per_expert <= 4:
         return MMAConfig(rb=1, warps=4, kh=4, block_m=8, split_k=1)
     return MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)

@@ -114,7 +114,7 @@ def _decode_launches(name: str, kernel: str, problem) -> list:
 
     if kernel != "fp4_moe_mma":
         return [(name, problem)]
-    layer = mma_moe_layer_config(problem.pairs / problem.E)
+    layer = mma_moe_layer_config(problem.pairs / problem.E, problem.E)
     if not isinstance(layer, MMAHeights):
         return [(name, problem)]
     out = []

@@ -1324,7 +1324,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
         self.check_problem(problem)
         self._check_mode(problem, arch)
-        cfg = mma_moe_layer_config(problem.T * problem.top_k / problem.E)
+        cfg = mma_moe_layer_config(problem.T * problem.top_k / problem.E, problem.E)
         if isinstance(cfg, MMAHeights):
             chosen = [c for c, rows in cfg.classes() if rows == problem.rows]
             cfg = chosen[0] if chosen else cfg.large
@@ -1334,6 +1334,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
+        from ..ops.moe import MOE_WORD_ORDER
 
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
         # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
@@ -1341,7 +1342,8 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
                                    gather=problem.gemm == 1, plan_ready=problem.gemm == 2,
                                    swiglu=self._fused(config, problem, default_gpu(arch).sm_count),
-                                   wg_mode=1 if problem.fmt == "nvfp4" else 0, out_dtype=self._out_dtype(problem))
+                                   wg_mode=1 if problem.fmt == "nvfp4" else 0, out_dtype=self._out_dtype(problem),
+                                   order=MOE_WORD_ORDER)
 
     @staticmethod
     def _fused(config, problem: MoEGemmProblem, sm_count: int) -> bool:
@@ -1355,7 +1357,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
         pairs = problem.T * problem.top_k
         if problem.rows is not None:  # both launches of MMAHeights: as the large class's plan decides
-            layer = mma_moe_layer_config(pairs / problem.E)
+            layer = mma_moe_layer_config(pairs / problem.E, problem.E)
             config = layer.large if isinstance(layer, MMAHeights) else config
         tiles = max_tiles(pairs, problem.E, config.block_m)
         return problem.gemm == 1 and fuses_swiglu(config, "silu", False, problem.N,
@@ -1441,6 +1443,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import wgmma_compile_request
+        from ..ops.moe import MOE_WORD_ORDER
 
         self._check_mode(problem, arch)
         # emulated W4A4 (``ops.moe._run_wgmma`` with its re-quantization): GEMM 1 writes h in K order
@@ -1449,7 +1452,7 @@ class WgmmaMoESpec(_WgmmaSpec, KernelSpec[MoEGemmProblem, Any]):
         return wgmma_compile_request(config, problem.fmt, arch.sm_version, gemm=f"gemm{problem.gemm}",
                                      wg_mode=1 if get_format(problem.fmt).has_global_scale else 0,
                                      out_dtype=self._out_dtype(problem) if gemm1 else "bf16",
-                                     out_mma_order=gemm1 and problem.mode == "w4a16")
+                                     out_mma_order=gemm1 and problem.mode == "w4a16", order=MOE_WORD_ORDER)
 
     def model_time(self, config, problem: MoEGemmProblem, gpu: GPU, *, registers: int | None = None) -> TimeEstimate:
         from ..bench.roofline import fp4_weight_bytes
