@@ -78,6 +78,7 @@ def test_word_bits_place_every_bit_once_and_round_trip(order):
 
 
 def test_unknown_order_is_refused():
+    assert set(DECODE_ASMS) == set(WORD_ORDERS)  # every stored order has its decode
     with pytest.raises(ValueError, match="order"):
         decode_asm("nibbles")
     with pytest.raises(ValueError, match="order"):

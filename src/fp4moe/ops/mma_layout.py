@@ -187,7 +187,7 @@ def _pack_rows(data: torch.Tensor, sbits: torch.Tensor, fmt: FP4Format, Kp: int,
         scodes = sbits
     codes = torch.nn.functional.pad(codes, (0, Kp - K, 0, npad - n))
     scodes = torch.nn.functional.pad(scodes, (0, (Kp - K) // group, 0, npad - n), value=0 if fmt is NVFP4 else 127)
-    # stored K (kc, t, kl, i2, i0) -> [rb, kc, g, t, kl, i0, i2, i1]: nibble p = 4 i0 + 2 i2 + i1
+    # stored K (kc, t, kl, i2, i0) -> [rb, kc, g, t, kl, i0, i2, i1]: value p = 4 i0 + 2 i2 + i1 of the word
     c = codes.reshape(npad // 16, 2, 8, Kp // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1)
     words = pack_words(c.reshape(npad // 16, Kp // 64, 32, 4, 8), order)
     if fmt is NVFP4:  # lane (g, t) owns K group t of the chunk: [rb, i1, g, kc, t] -> [rb, kc, g, t, i1]
