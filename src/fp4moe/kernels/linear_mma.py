@@ -22,6 +22,19 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+# The decodes' common end: registers u0..u3 (each two values, as bf16 bits of value * 2**-126)
+# times the scale pairs ($9: row g, $10: row g + 8; an fma with -0 keeps the sign of zero), split
+# into the 8 bf16 outputs.
+_SCALE_PAIRS_OUT = """fma.rn.bf16x2 r0, u0, $9, nz;
+fma.rn.bf16x2 r1, u1, $10, nz;
+fma.rn.bf16x2 r2, u2, $9, nz;
+fma.rn.bf16x2 r3, u3, $10, nz;
+mov.b32 {$0, $1}, r0;
+mov.b32 {$2, $3}, r1;
+mov.b32 {$4, $5}, r2;
+mov.b32 {$6, $7}, r3;
+}
+"""
 # Decode one word (8 E2M1 codes, nibble p = 4*i0 + 2*i2 + i1 of fragment value (i2, i1, i0)) with
 # its two block scales (bf16x2, from ``_SCALE_ASM``) into the 8 bf16 A-fragment values. Nibble
 # pairs (p, p+4) share one 32-bit register, 16 bits apart: mask them, one multiply places each
@@ -46,16 +59,7 @@ and.b32 u0, u0, 0x81C081C0;
 and.b32 u1, u1, 0x81C081C0;
 and.b32 u2, u2, 0x81C081C0;
 and.b32 u3, u3, 0x81C081C0;
-fma.rn.bf16x2 r0, u0, $9, nz;
-fma.rn.bf16x2 r1, u1, $10, nz;
-fma.rn.bf16x2 r2, u2, $9, nz;
-fma.rn.bf16x2 r3, u3, $10, nz;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-"""
+""" + _SCALE_PAIRS_OUT
 # A lane's scale pair (low byte: row g, high byte: row g + 8) -> two bf16x2 registers, each
 # scale * 2**F in both halves: prmt spreads a byte into both halves, one multiply-add turns the
 # stored code into the bf16 bit pattern. One pair serves all 4 words of a lane's 64-K chunk.
@@ -91,16 +95,7 @@ and.b32 u1, u1, 0x81C081C0;
 and.b32 u2, u2, 0x81C081C0;
 and.b32 u3, $8, 0x81808180;
 lop3.b32 u3, m3, 0x00400040, u3, 0xEA;
-fma.rn.bf16x2 r0, u0, $9, nz;
-fma.rn.bf16x2 r1, u1, $10, nz;
-fma.rn.bf16x2 r2, u2, $9, nz;
-fma.rn.bf16x2 r3, u3, $10, nz;
-mov.b32 {$0, $1}, r0;
-mov.b32 {$2, $3}, r1;
-mov.b32 {$4, $5}, r2;
-mov.b32 {$6, $7}, r3;
-}
-"""
+""" + _SCALE_PAIRS_OUT
 DECODE_ASM = _DECODE_ASM
 #: the decode of each stored bit order of the packed words (``ops.mma_layout.WORD_ORDERS``)
 DECODE_ASMS = {"nibble": _DECODE_ASM, "rotation": _DECODE_ASM_ROTATION}
