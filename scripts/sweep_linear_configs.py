@@ -4,8 +4,10 @@ against the reference first. Weights rotate past the L2 as in ``fp4moe bench lin
 times every configuration R times round-robin. GPU only; ``--dry-run`` lists the runs (CPU).
 ``default_xs2``, ``default_pdl3``, ``default_pdl3_xs2``, ``default_xc``, ``default_xs2_xc``, ``default_xc_xa``
 (x a chunk ahead, without the ring), ``default_pf2`` (weights two steps ahead into L2) name the runtime's
-choice with those fields replaced. Checks record
-whether each output is bitwise the default's (None where the default itself failed).
+choice with those fields replaced. A name ending in ``@rotation`` times that configuration on the same
+weights packed in the rotation bit order (``ops.mma_layout.WORD_ORDERS``; default: the linear's
+nibble order). Checks record whether each output is bitwise the default's (None where the default
+itself failed).
 Usage: PYTHONPATH=src python3 scripts/sweep_linear_configs.py --ms 16 --configs mma_n128_m16_k256_w4_split4_xs2,...
 [--shapes 12288x6144,6144x12288] [--fmt nvfp4|mxfp4] [--repeat R] [--out DIR] [--dry-run]"""
 import argparse
@@ -32,24 +34,30 @@ def main() -> None:
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    names = args.configs.split(",")
+    names, orders = [], []
+    for c in args.configs.split(","):
+        name, _, order = c.partition("@")
+        if order and order not in ("nibble", "rotation"):
+            raise SystemExit(f"--configs: unknown bit order {order!r} in {c!r}")
+        names.append(name)
+        orders.append(order or "nibble")
     # the runtime's choice with fields replaced: default_pdl3, default_xs2, default_pdl3_xs2, default_xc, default_xc_xa (xs 0)
     variants = []
-    for c in names:
+    for c, order in zip(names, orders):
         m = re.fullmatch(r"default(?:_pdl(\d))?(?:_xs(\d))?(_xc)?(_xa)?(?:_pf(\d))?", c)
         if m:
-            variants.append({k: int(v) for k, v in zip(("pdl", "xs"), m.groups()) if v is not None}
-                            | ({"xc": True} if m[3] else {}) | ({"xc": True, "xa": True, "xs": 0} if m[4] else {})
-                            | ({"pf": int(m[5])} if m[5] else {}))
+            variants.append(({k: int(v) for k, v in zip(("pdl", "xs"), m.groups()) if v is not None}
+                             | ({"xc": True} if m[3] else {}) | ({"xc": True, "xa": True, "xs": 0} if m[4] else {})
+                             | ({"pf": int(m[5])} if m[5] else {}), order))
     try:
-        named = [WgmmaConfig.parse(c) if c.startswith("wgmma_") else MMAConfig.parse(c) for c in names
-                 if not c.startswith("default")]
+        named = [(WgmmaConfig.parse(c) if c.startswith("wgmma_") else MMAConfig.parse(c), order)
+                 for c, order in zip(names, orders) if not c.startswith("default")]
     except ValueError as err:
         raise SystemExit(f"--configs: {err}") from None
     if args.dry_run:
         for N, K in shapes:
             for M in ms:
-                print(f"{N}x{K} M={M}: default, " + ", ".join(map(str, named)))
+                print(f"{N}x{K} M={M}: default, " + ", ".join(f"{c}@{o}" for c, o in named))
         return
 
     from fp4moe.bench.timing import l2_bytes, measure_copy_bandwidth, rotating, rotation_count, time_cuda_graph
@@ -68,22 +76,25 @@ def main() -> None:
         wbytes = w0.data.numel() + w0.scales.numel()
         bound = wbytes / (copy * 1e3)
         ws = [quantize(torch.randn(N, K, device="cuda"), fmt) for _ in range(rotation_count(wbytes, l2_bytes()))]
-        ps = [pack_mma(w) for w in ws]
+        packs = {o: [pack_mma(w, o) for w in ws] for o in {"nibble", *orders}}
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             ref = fp4_linear_reference(x, ws[0], None).float()
             base = packed_config("w4a16", arch, M, N, K, fmt=args.fmt, l2_bytes=l2_bytes())
-            cfgs = [base]
-            for v in variants:
+            cfgs = [(base, "nibble")]
+            for v, order in variants:
                 try:
-                    cfgs.append(replace(base, **v))
+                    cfgs.append((replace(base, **v), order))
                 except (TypeError, ValueError) as e:  # not an MMAConfig, or a field it refuses (pdl without kw)
                     print(f"{N}x{K} M={M} default with {v}: {e}", flush=True)
             cfgs += named
             y_default = None  # the default's output, which every configuration is compared with bitwise
             for rep in range(args.repeat):
-                for c in cfgs:
+                for c, order in cfgs:
+                    ps = packs[order]
+                    label = str(c) + ("" if order == "nibble" else f"@{order}")
+                    first = (c, order) == cfgs[0]
                     launch = launch_linear_mma if isinstance(c, MMAConfig) else launch_linear_wgmma
                     try:
                         for p in ps:  # every weight launched once before capture (a pack's first launch waits)
@@ -92,26 +103,26 @@ def main() -> None:
                             y.fill_(float("nan"))
                             launch(x, ps[0], None, y, c)
                             err = float((y.float() - ref).abs().max() / ref.abs().max())
-                            if c is cfgs[0]:
+                            if first:
                                 y_default = y.clone()
                             same = None if y_default is None else bool(torch.equal(y, y_default))
-                            res["check"].append(dict(N=N, K=K, M=M, cfg=str(c), rel_err=err, ok=err < 1e-2,
+                            res["check"].append(dict(N=N, K=K, M=M, cfg=label, rel_err=err, ok=err < 1e-2,
                                                      bitwise_default=same))
                             if not err < 1e-2:
-                                print(f"{N}x{K} M={M} {c}: WRONG rel_err {err:.2e}", flush=True)
+                                print(f"{N}x{K} M={M} {label}: WRONG rel_err {err:.2e}", flush=True)
                                 continue
                         t = time_cuda_graph(rotating(lambda p, c=c, launch=launch: launch(x, p, None, y, c),
                                                      [(p,) for p in ps]), iters_per_graph=20, reps=10).median_us
                     except Exception as e:  # noqa: BLE001 - a sweep records what fails and goes on
-                        print(f"{N}x{K} M={M} {c}: failed {e!r:.300}", flush=True)
+                        print(f"{N}x{K} M={M} {label}: failed {e!r:.300}", flush=True)
                         continue
-                    res["time"].append(dict(N=N, K=K, M=M, cfg=str(c), default=c is cfgs[0], rep=rep, us=t,
+                    res["time"].append(dict(N=N, K=K, M=M, cfg=label, default=first, rep=rep, us=t,
                                             frac=bound / t))
-                    same = next((r["bitwise_default"] for r in res["check"] if r["cfg"] == str(c) and r["M"] == M
+                    same = next((r["bitwise_default"] for r in res["check"] if r["cfg"] == label and r["M"] == M
                                  and r["N"] == N and r["K"] == K), None)
-                    print(f"{N}x{K} M={M} {c}{' (default)' if c is cfgs[0] else ''}: {t:.2f} us {bound / t:.1%}"
+                    print(f"{N}x{K} M={M} {label}{' (default)' if first else ''}: {t:.2f} us {bound / t:.1%}"
                           f"{'' if same in (True, None) else ' NOT BITWISE THE DEFAULT'}", flush=True)
-        del ws, ps
+        del ws, packs
     print("checks failed:", sum(not r["ok"] for r in res["check"]))
     if args.out:
         with open(f"{args.out}/sweep-linear-configs-h200.json", "w") as f:
