@@ -506,7 +506,8 @@ def mma_moe_layer_config(rows_per_expert: float, n_experts: int | None = None):
     """The decode path's configuration: ``mma_moe_config``'s, or where its tiles are taller than
     8 rows and experts average at most ``MMA_HEIGHTS_ROWS``, an ``MMAHeights`` of the 8-row
     configuration for the experts of at most 8 rows and that one, with x through a shared-memory
-    ring of ``MMA_HEIGHTS_X_STAGES`` steps, for the others."""
+    ring of ``MMA_HEIGHTS_X_STAGES`` steps, for the others. ``n_experts`` (the layer's E) lets
+    ``mma_moe_config`` see the token-expert pairs (its few-pairs configurations)."""
     cfg = mma_moe_config(rows_per_expert, n_experts)
     small = mma_moe_config(1)
     if cfg.block_m > small.block_m and rows_per_expert <= MMA_HEIGHTS_ROWS:
@@ -529,7 +530,7 @@ def mma_moe_config(rows_per_expert: float, n_experts: int | None = None):
     With ``n_experts``, few pairs (``FEW_PAIRS``: at most 8 active experts, then 16) get more,
     smaller programs: with the experts' words in the rotation order (``MOE_WORD_ORDER``) the 4-warp
     256-K tiles wait on their weights there. H200, GLM-5 layer (scripts/try_moe_decode_order.py
-    --configs, benchmarks/raw/try-moe-decode-order-configs-h200.json): 1 token 59.5 -> 54.9 us
+    --configs, benchmarks/raw/try-moe-decode-order-configs-run*-h200.json): 1 token 59.5 -> 54.9 us
     (K split in two, 128-K steps; the nibble order's 256-K tiles 55.3), 2 tokens 117.0 -> 91.8
     (two-warp programs; nibble 106.9)."""
     from .mma_layout import MMAConfig
