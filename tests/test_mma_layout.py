@@ -651,6 +651,41 @@ def test_gpu_decode_heights_equal_one_height(monkeypatch, fmt, T, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
+    """``MMA_HEIGHTS_OVERLAP``: each GEMM's second class runs without waiting for the first (PDL,
+    ``launch_grouped_mma(independent=True)``), and its last program holds the grid's completion back
+    until the first's. Replayed in a CUDA graph, every replay gives the layer of the chained launches
+    bit for bit: GEMM 2's first class reads h rows that only the first class of GEMM 1 writes, so a
+    broken chain shows as rows read before they are written."""
+    from dataclasses import replace
+
+    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops.moe import MMAHeights, fp4_moe_experts, mma_moe_config, random_moe_problem
+
+    p = random_moe_problem(96, 64, 8, 2048, 1024, fmt, device="cuda", seed=9)
+    heights = MMAHeights(mma_moe_config(1.0), replace(mma_moe_config(16.0), xs=2), 8)
+    counts = torch.bincount(p.topk_ids.long().flatten(), minlength=64)
+    assert int(((counts > 0) & (counts <= 8)).sum()) and int((counts > 8).sum())  # both classes run
+    monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda *a: heights)
+    args = (p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
+    monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", False)
+    chained = fp4_moe_experts(*args)
+    monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", True)
+    assert torch.equal(fp4_moe_experts(*args), chained)
+    out = torch.empty_like(chained)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(4):
+            out.copy_(fp4_moe_experts(*args))
+    for _ in range(25):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, chained)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
 @pytest.mark.parametrize("xs,block_m,T", [(2, 8, 5), (3, 16, 48)])
 def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, per_row, bias, xs, block_m, T):
@@ -693,9 +728,11 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     x, w13, w2, ids, wts, b13, b2 = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias, p.w2_bias
     tiles_seen = []
 
-    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False, out=None):
+    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False, out=None, independent=False):
         # GEMM 2 (no gather) runs two kernels after dispatch: it may read the plan before its PDL wait
         assert plan_ready == (not gather) and plan.block_m == config.block_m
+        # only a second class's launch (into the first's output) may run without waiting for the first
+        assert independent == (out is not None and moe_ops.MMA_HEIGHTS_OVERLAP)
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
         R = plan.sorted_pair.shape[0]
         # rows no tile covers must never be read (a second class's launch fills its own rows)
@@ -712,7 +749,8 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
 
     calls = []
 
-    def emulated_swiglu(x2, p, n_out, plan, config, out, globals_, bias13):
+    def emulated_swiglu(x2, p, n_out, plan, config, out, globals_, bias13, independent=False):
+        assert independent == (len(calls) == 1 and moe_ops.MMA_HEIGHTS_OVERLAP)
         calls.append(n_out)
         wg, mode = globals_
         assert mode == (moe_ops._weight_globals(w13)[1]) and bias13 is b13 and n_out == I
@@ -776,7 +814,7 @@ def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # fused at this size too
     launches = []
     launch = mma_layout.launch_grouped_mma_swiglu
-    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", lambda *a: launches.append(1) or launch(*a))
+    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     guard.reset()  # the guard probes this variant here (a probe launch, then the layer's)
     fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
     assert len(launches) == 2 and any("swiglu_fused" in key.kernel for key in guard._checked)

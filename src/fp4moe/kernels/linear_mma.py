@@ -128,11 +128,23 @@ def _arange4(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.conste
 
 
 @gluon.jit
-def _pdl_enter():
-    """``kernels.pdl.pdl_enter`` for Gluon kernels: wait for the previous grid, then let the next launch."""
+def _pdl_wait():
+    """Wait for the previous grid to complete (its writes visible)."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pdl_release():
+    """Let the next grid launch once every program of this one has come here (or exited)."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                               pack=1)
+
+
+@gluon.jit
+def _pdl_enter():
+    """``kernels.pdl.pdl_enter`` for Gluon kernels: wait for the previous grid, then let the next launch."""
+    _pdl_wait()
+    _pdl_release()
 
 
 @gluon.jit
@@ -316,7 +328,11 @@ def fp4_linear_mma_kernel(
     GATHER: gl.constexpr,  # GROUPED: x rows through row_x_ptr (tokens), else the sorted rows themselves
     PDL: gl.constexpr,  # programmatic dependent launch (kernels.pdl): 1 wait for the previous grid before any
     # load; 2 (GROUPED) read the tile map and request the first weight step, then wait: the plan must come
-    # from a kernel that completed before the previous one passed its wait (MoE GEMM 2, two kernels on)
+    # from a kernel that completed before the previous one passed its wait (MoE GEMM 2, two kernels on);
+    # 3 (GROUPED) independent of the previous kernel (the other class of the same GEMM, MMAHeights): let the
+    # next launch at once, read and write without waiting (everything read was written two or more kernels
+    # back, and no row written is the previous kernel's), and the grid's last program waits for the previous
+    # grid at its end, so that this grid completes after it (the next kernel's wait covers both)
     SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
     WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
     X_STAGES: gl.constexpr,  # 0: each warp loads its x tile into registers at the start of each step;
@@ -343,6 +359,8 @@ def fp4_linear_mma_kernel(
 
     if PDL == 1:
         _pdl_enter()
+    if PDL == 3:
+        _pdl_release()
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_k = gl.program_id(2)
@@ -486,6 +504,9 @@ def fp4_linear_mma_kernel(
     else:
         part = y_ptr + (pid_k * M + rows) * N + gl.expand_dims(offs_n, 1)
         gl.store(part, out, mask=mask)
+    if PDL == 3:  # one program holds the grid's completion back until the previous grid's
+        if (pid_n == gl.num_programs(0) - 1) & (pid_m == gl.num_programs(1) - 1) & (pid_k == gl.num_programs(2) - 1):
+            _pdl_wait()
 
 
 def x_layout_kw(block_m: int, kh: int, warps: int, kw: int) -> gl.DistributedLinearLayout:

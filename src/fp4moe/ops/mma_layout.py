@@ -576,10 +576,10 @@ def _x_stages(config: MMAConfig, x2: torch.Tensor, chunks: int) -> int:
 
 def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig, grid_m: int, *, plan=None,
             gather: bool = False, stride_ym: int = 0, swiglu: bool = False, globals_=(None, 0),
-            plan_ready: bool = False):
+            plan_ready: bool = False, independent: bool = False):
     """The one launch of ``fp4_linear_mma_kernel`` (plain, or GROUPED over an MoE plan's tiles;
     ``swiglu``: MoE GEMM 1 with its epilogue, N outputs, ``globals_`` as ``ops.moe._weight_globals``,
-    ``bias`` [E, 2N] or None; ``plan_ready`` as ``launch_grouped_mma``'s)."""
+    ``bias`` [E, 2N] or None; ``plan_ready`` and ``independent`` as ``launch_grouped_mma``'s)."""
     import triton
 
     from ..kernels.linear_mma import FOLD_E4M3, FOLD_E8M0, decode_asm, fp4_linear_mma_kernel, scale_asm, x_layout
@@ -593,7 +593,9 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     tiles = (plan.tile_expert, plan.tile_start, plan.tile_end) if plan is not None else (unused,) * 3
     # the MoE chain (dispatch -> GEMM -> epilogue) launches with PDL; the plain linear's split-K path does not
     pdl = pdl_kwargs(x2.device) if plan is not None else {"PDL": 0, "launch_pdl": False}
-    if plan_ready and pdl["PDL"]:
+    if independent and pdl["PDL"]:
+        pdl = {"PDL": 3, "launch_pdl": True}
+    elif plan_ready and pdl["PDL"]:
         pdl = {"PDL": 2, "launch_pdl": True}
     wg, wg_mode = globals_
     if wg is None:
@@ -615,12 +617,13 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
 
 def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
                         grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0,
-                        plan_ready: bool = False, out_dtype: str = "bf16", order: str = "nibble"):
+                        plan_ready: bool = False, out_dtype: str = "bf16", order: str = "nibble",
+                        independent: bool = False):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
     for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
-    (h, ``wg_mode`` and ``has_bias`` as the weight's). ``out_dtype`` ("bf16" or "fp16"): the plain
+    (h, ``wg_mode`` and ``has_bias`` as the weight's); ``independent`` as ``launch_grouped_mma``'s. ``out_dtype`` ("bf16" or "fp16"): the plain
     linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's dtype there; the
     activations themselves are bf16 either way). ``order``: the weight pack's bit order
     (``MMAPackedFP4.order``; the MoE experts' is ``ops.moe.MOE_WORD_ORDER``)."""
@@ -668,7 +671,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
-                      PDL=(2 if plan_ready else 1) if grouped and get_arch(cc).has_pdl else 0, SWIGLU=swiglu,
+                      PDL=(3 if independent else 2 if plan_ready else 1) if grouped and get_arch(cc).has_pdl else 0,
+                      SWIGLU=swiglu,
                       WG_MODE=wg_mode if swiglu else 0, X_STAGES=config.xs if chunks * KCHUNK == K else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
                           constexprs=constexprs, cc=cc, num_warps=config.warps, num_stages=1,
@@ -706,7 +710,8 @@ def _check_grouped(p: MMAPackedFP4, plan, config: MMAConfig) -> None:
 
 
 def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, config: MMAConfig, *,
-                       gather: bool, plan_ready: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                       gather: bool, plan_ready: bool = False, out: torch.Tensor | None = None,
+                       independent: bool = False) -> torch.Tensor:
     """Partial sums ``part[s, r, :] = W_e @ x[row(r)]`` over the K share of split s, for every sorted
     row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``) that
     one of the plan's tiles covers, e the row's expert. ``p`` packs the experts' weights stacked
@@ -715,7 +720,11 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     plan's experts, ``ops.dispatch.tile_map(rows=...)``, writes its rows into the same tensor).
     ``plan_ready``: the plan was written at least two kernels before this one in the PDL chain (MoE
     GEMM 2), so with PDL the kernel reads it and requests its first weight step before it waits for
-    the previous kernel (whose launch already waited for the plan's writer to complete)."""
+    the previous kernel (whose launch already waited for the plan's writer to complete).
+    ``independent``: nothing this launch reads was written by the kernel before it in the PDL chain,
+    and none of its rows either (the second class of ``ops.moe.MMAHeights``, after the first): with
+    PDL it runs alongside that kernel's last programs instead of waiting for it, and its last program
+    waits for it, so that the next kernel's wait covers both."""
     _check_grouped(p, plan, config)
     if config.kw > 1:
         raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")
@@ -731,18 +740,20 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     if plan.max_tiles == 0:  # a class of experts that no batch of this size can fill
         return part
     _launch(x2, p, None, part, R, n_per_expert, config, plan.max_tiles, plan=plan, gather=gather,
-            plan_ready=plan_ready)
+            plan_ready=plan_ready, independent=independent)
     return part
 
 
 def launch_grouped_mma_swiglu(x2: torch.Tensor, p: MMAPackedFP4, n_out: int, plan, config: MMAConfig,
-                              out: torch.Tensor, globals_, bias: torch.Tensor | None) -> torch.Tensor:
+                              out: torch.Tensor, globals_, bias: torch.Tensor | None,
+                              independent: bool = False) -> torch.Tensor:
     """MoE GEMM 1 with its epilogue in the kernel: ``out[r, :] = silu(g) * u`` (bf16) for every
     sorted row r of the plan, where g and u are the row's token times the expert's gate rows [0,
     n_out) and up rows [n_out, 2 n_out), with ``globals_`` (``ops.moe._weight_globals``) and
     ``bias`` [E, 2 n_out] applied as ``moe_partials_epilogue_kernel`` does. ``p`` packs the
     experts' [E * 2 n_out, K] rows without global scales; n_out a multiple of 16; no K split. Rows
-    no tile of the plan covers are not written (a class of experts, ``ops.dispatch.tile_map``)."""
+    no tile of the plan covers are not written (a class of experts, ``ops.dispatch.tile_map``);
+    ``independent`` as ``launch_grouped_mma``'s."""
     _check_grouped(p, plan, config)
     if config.kw > 1 or config.split_k > 1:
         raise ValueError(f"config: the fused SwiGLU epilogue needs whole K per program, got {config}")
@@ -750,7 +761,7 @@ def launch_grouped_mma_swiglu(x2: torch.Tensor, p: MMAPackedFP4, n_out: int, pla
         raise ValueError(f"n_out: the up rows start a whole 16-row block after the gate rows, got {n_out}")
     if plan.max_tiles:
         _launch(x2, p, bias, out, plan.sorted_pair.shape[0], n_out, config, plan.max_tiles, plan=plan, gather=True,
-                stride_ym=out.stride(0), swiglu=True, globals_=globals_)
+                stride_ym=out.stride(0), swiglu=True, globals_=globals_, independent=independent)
     return out
 
 

@@ -501,6 +501,10 @@ class MMAHeights:
 #: one-height configurations stay in registers (session 24: the ring there was 3-4% slower).
 MMA_HEIGHTS_X_STAGES = 2
 
+#: ``MMAHeights``' second launch of each GEMM runs alongside the first's last programs (PDL without
+#: a wait: ``launch_grouped_mma(independent=True)``; the classes share no rows)
+MMA_HEIGHTS_OVERLAP = True
+
 
 def mma_moe_layer_config(rows_per_expert: float, n_experts: int | None = None):
     """The decode path's configuration: ``mma_moe_config``'s, or where its tiles are taller than
@@ -669,11 +673,12 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     else:
         launches = [(cfg, plan)]
     part = None
-    for c, pl in launches:
+    for i, (c, pl) in enumerate(launches):
+        ind = i > 0 and MMA_HEIGHTS_OVERLAP  # the second class neither reads nor writes the first's rows
         if fused:
-            launch_grouped_mma_swiglu(x, p13, I, pl, c, h, _weight_globals(w13), w13_bias)
+            launch_grouped_mma_swiglu(x, p13, I, pl, c, h, _weight_globals(w13), w13_bias, independent=ind)
         else:
-            part = launch_grouped_mma(x, p13, 2 * I, pl, c, gather=True, out=part)
+            part = launch_grouped_mma(x, p13, 2 * I, pl, c, gather=True, out=part, independent=ind)
     if not fused:
         launch_partials_epilogue(part, w13, plan, h, swiglu=_SWIGLU[activation], interleaved=interleaved,
                                  scatter=False, row_weight=None, bias=w13_bias)
@@ -681,8 +686,9 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         h, w2 = requant(h)
     # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
     part = None
-    for c, pl in launches:
-        part = launch_grouped_mma(h, p2, H, pl, c, gather=False, plan_ready=True, out=part)
+    for i, (c, pl) in enumerate(launches):
+        part = launch_grouped_mma(h, p2, H, pl, c, gather=False, plan_ready=True, out=part,
+                                  independent=i > 0 and MMA_HEIGHTS_OVERLAP)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
 
