@@ -92,6 +92,12 @@ def test_moe_config_choice():
     assert mma_moe_config(16 / 256, 256) == MMAConfig(rb=1, warps=2, kh=4, block_m=8, split_k=1)
     assert mma_moe_config(24 / 256, 256) == mma_moe_config(24 / 256) == mma_moe_config(3.0)
     assert mma_moe_config(8.0, 256) == mma_moe_config(8.0)
+    # GEMM 2 of the K-split few-pairs configuration: two row blocks per warp; every other one as GEMM 1's
+    from fp4moe.ops.moe import mma_moe_gemm2_config
+
+    assert mma_moe_gemm2_config(mma_moe_config(8 / 256, 256)) == MMAConfig(rb=2, warps=4, kh=2, block_m=8, split_k=2)
+    for rows in (16 / 256, 3.0, 8.0):
+        assert mma_moe_gemm2_config(mma_moe_config(rows, 256)) == mma_moe_config(rows, 256)
     assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
     assert wgmma_moe_config(127.9) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)

@@ -536,16 +536,37 @@ def mma_moe_config(rows_per_expert: float, n_experts: int | None = None):
     256-K tiles wait on their weights there. H200, GLM-5 layer (scripts/try_moe_decode_order.py
     --configs, benchmarks/raw/try-moe-decode-order-configs-run*-h200.json): 1 token 59.5 -> 54.9 us
     (K split in two, 128-K steps; the nibble order's 256-K tiles 55.3), 2 tokens 117.0 -> 91.8
-    (two-warp programs; nibble 106.9)."""
+    (two-warp programs; nibble 106.9). GEMM 2 takes ``mma_moe_gemm2_config`` of the result."""
     from .mma_layout import MMAConfig
 
     if n_experts is not None and rows_per_expert * n_experts <= FEW_PAIRS[0]:
-        return MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)
+        return _few_pairs_split()
     if n_experts is not None and rows_per_expert * n_experts <= FEW_PAIRS[1]:
         return MMAConfig(rb=1, warps=2, kh=4, block_m=8, split_k=1)
     if rows_per_expert <= 4:
         return MMAConfig(rb=1, warps=4, kh=4, block_m=8, split_k=1)
     return MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
+
+
+def _few_pairs_split():
+    """``mma_moe_config``'s configuration for at most ``FEW_PAIRS[0]`` pairs: K split in two, 128-K steps."""
+    from .mma_layout import MMAConfig
+
+    return MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)
+
+
+def mma_moe_gemm2_config(cfg):
+    """GEMM 2's configuration on the decode path where the layer's (``mma_moe_layer_config``, GEMM
+    1's) is ``cfg``: the same, except that the few-pairs split takes two 16-row blocks per warp in
+    GEMM 2 (128 weight rows per program: at one token 768 programs of 8 K steps, within one wave,
+    against 1,536 in 1.2 waves; rows add their K steps in the same order, so the output is bitwise
+    the same). H200, GLM-5 layer at one token, interleaved in one process (scripts/try_moe_layer_ab.py,
+    benchmarks/README.md session 28): 55.5-56.2 -> 53.2-53.6 us on two leases; at two tokens the
+    two-warp configuration with two row blocks was 6% slower, and GEMM 1 with two row blocks at one
+    token 10% slower (54.0 -> 59.2-59.5)."""
+    if cfg == _few_pairs_split():
+        return replace(cfg, rb=2)
+    return cfg
 
 
 def wgmma_moe_config(rows_per_expert: float):
@@ -687,7 +708,7 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
     part = None
     for i, (c, pl) in enumerate(launches):
-        part = launch_grouped_mma(h, p2, H, pl, c, gather=False, plan_ready=True, out=part,
+        part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c), gather=False, plan_ready=True, out=part,
                                   independent=i > 0 and MMA_HEIGHTS_OVERLAP)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 

@@ -1320,7 +1320,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         """The runtime's configuration (``ops.moe.mma_moe_layer_config``): where it runs two launches
         (``MMAHeights``), that of the problem's class (``rows``), or without one the large tiles'
         (the dispatch plan's height)."""
-        from ..ops.moe import MMAHeights, mma_moe_layer_config
+        from ..ops.moe import MMAHeights, mma_moe_gemm2_config, mma_moe_layer_config
 
         self.check_problem(problem)
         self._check_mode(problem, arch)
@@ -1328,6 +1328,8 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         if isinstance(cfg, MMAHeights):
             chosen = [c for c, rows in cfg.classes() if rows == problem.rows]
             cfg = chosen[0] if chosen else cfg.large
+        if problem.gemm == 2:
+            cfg = mma_moe_gemm2_config(cfg)
         if problem.block_m in (8, 16) and cfg.block_m != problem.block_m:
             cfg = dataclasses.replace(cfg, block_m=problem.block_m)
         return cfg
