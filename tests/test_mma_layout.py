@@ -698,6 +698,24 @@ def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, p
     check_moe_layer("fp4_moe_mma", fmt, activation, interleaved, per_row, bias, T, 64, 8, 1024, 512)
 
 
+def test_classes_overlap_only_after_a_launch(monkeypatch):
+    """A GEMM's second class launch runs without waiting for the first only where the first
+    launched (a class whose plan holds no tiles launches nothing: the second then follows the kernel
+    that wrote its inputs), and only with ``MMA_HEIGHTS_OVERLAP``."""
+    from types import SimpleNamespace
+
+    from fp4moe.ops import moe as moe_ops
+
+    def launches(*tiles):
+        return [(None, SimpleNamespace(max_tiles=t)) for t in tiles]
+
+    assert not moe_ops._overlaps(launches(3), 0) and not moe_ops._overlaps(launches(3, 4), 0)
+    assert moe_ops._overlaps(launches(3, 4), 1)
+    assert not moe_ops._overlaps(launches(0, 4), 1)
+    monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", False)
+    assert not moe_ops._overlaps(launches(3, 4), 1)
+
+
 @pytest.mark.parametrize("heights", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("fmt,activation,interleaved,per_row,bias", MOE_VARIANTS)
@@ -727,12 +745,16 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     p = random_moe_problem(T, E, k, H, I, fmt.name, device="cpu", seed=7, per_row=per_row, bias=bias, dropped=(2, 1))
     x, w13, w2, ids, wts, b13, b2 = p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, p.w13_bias, p.w2_bias
     tiles_seen = []
+    first_tiles = []  # max_tiles of each GEMM's first class launch
 
     def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False, out=None, independent=False):
         # GEMM 2 (no gather) runs two kernels after dispatch: it may read the plan before its PDL wait
         assert plan_ready == (not gather) and plan.block_m == config.block_m
-        # only a second class's launch (into the first's output) may run without waiting for the first
-        assert independent == (out is not None and moe_ops.MMA_HEIGHTS_OVERLAP)
+        # only a second class's launch (into the first's output) may run without waiting for the first,
+        # and only where the first launched anything
+        if out is None:
+            first_tiles.append(plan.max_tiles)
+        assert independent == (out is not None and moe_ops.MMA_HEIGHTS_OVERLAP and first_tiles[-1] > 0)
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
         R = plan.sorted_pair.shape[0]
         # rows no tile covers must never be read (a second class's launch fills its own rows)
@@ -750,8 +772,8 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     calls = []
 
     def emulated_swiglu(x2, p, n_out, plan, config, out, globals_, bias13, independent=False):
-        assert independent == (len(calls) == 1 and moe_ops.MMA_HEIGHTS_OVERLAP)
-        calls.append(n_out)
+        assert independent == (len(calls) == 1 and moe_ops.MMA_HEIGHTS_OVERLAP and calls[0] > 0)
+        calls.append(plan.max_tiles)
         wg, mode = globals_
         assert mode == (moe_ops._weight_globals(w13)[1]) and bias13 is b13 and n_out == I
         part = emulated(x2, p, 2 * n_out, plan, config, gather=True)

@@ -672,6 +672,14 @@ def decode_fuses_swiglu(cfg, activation: str, interleaved: bool, I: int, tiles: 
     return fuses_swiglu(cfg, activation, interleaved, I, fused_programs_per_sm(tiles, I, cfg, sm_count))
 
 
+def _overlaps(launches, i: int) -> bool:
+    """Whether launch ``i`` of a GEMM's class launches (``MMAHeights``) runs alongside the one before
+    it (``MMA_HEIGHTS_OVERLAP``, ``launch_grouped_mma(independent=True)``): the second class neither
+    reads nor writes the first's rows. Only where the first launch runs: a class whose plan holds no
+    tiles launches nothing, and the second would then follow the kernel that wrote its inputs."""
+    return i > 0 and MMA_HEIGHTS_OVERLAP and all(pl.max_tiles > 0 for _, pl in launches[:i])
+
+
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
              shared_out, out, fused=None, requant=None):
     """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
@@ -695,7 +703,7 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         launches = [(cfg, plan)]
     part = None
     for i, (c, pl) in enumerate(launches):
-        ind = i > 0 and MMA_HEIGHTS_OVERLAP  # the second class neither reads nor writes the first's rows
+        ind = _overlaps(launches, i)
         if fused:
             launch_grouped_mma_swiglu(x, p13, I, pl, c, h, _weight_globals(w13), w13_bias, independent=ind)
         else:
@@ -709,7 +717,7 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     part = None
     for i, (c, pl) in enumerate(launches):
         part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c), gather=False, plan_ready=True, out=part,
-                                  independent=i > 0 and MMA_HEIGHTS_OVERLAP)
+                                  independent=_overlaps(launches, i))
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
 
