@@ -653,26 +653,45 @@ def test_gpu_decode_heights_equal_one_height(monkeypatch, fmt, T, rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
-    """``MMA_HEIGHTS_OVERLAP``: each GEMM's second class runs without waiting for the first (PDL,
+    """``MMA_HEIGHTS_OVERLAP``: each GEMM's second class runs without waiting for the first (PDL 3,
     ``launch_grouped_mma(independent=True)``), and its last program holds the grid's completion back
     until the first's. Replayed in a CUDA graph, every replay gives the layer of the chained launches
     bit for bit: GEMM 2's first class reads h rows that only the first class of GEMM 1 writes, so a
-    broken chain shows as rows read before they are written."""
+    broken chain shows as rows read before they are written. 64 experts of 8 rows on average (the
+    decode kernel's range, both classes populated); the launches are checked to be PDL 3."""
     from dataclasses import replace
 
+    from fp4moe.kernels import linear_mma as kernels
     from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops._runtime import pdl_kwargs
     from fp4moe.ops.moe import MMAHeights, fp4_moe_experts, mma_moe_config, random_moe_problem
 
-    p = random_moe_problem(96, 64, 8, 2048, 1024, fmt, device="cuda", seed=9)
-    heights = MMAHeights(mma_moe_config(1.0), replace(mma_moe_config(16.0), xs=2), 8)
+    if not pdl_kwargs(torch.device("cuda"))["PDL"]:
+        pytest.skip("no programmatic dependent launch on this GPU (or FP4MOE_PDL=0)")
+    p = random_moe_problem(64, 64, 8, 2048, 1024, fmt, device="cuda", seed=9)
+    heights = MMAHeights(mma_moe_config(1.0), replace(mma_moe_config(8.0), xs=2), 8)
     counts = torch.bincount(p.topk_ids.long().flatten(), minlength=64)
     assert int(((counts > 0) & (counts <= 8)).sum()) and int((counts > 8).sum())  # both classes run
     monkeypatch.setattr(moe_ops, "mma_moe_layer_config", lambda *a: heights)
+    real = kernels.fp4_linear_mma_kernel
+    modes = []
+
+    class Spy:  # records each launch's PDL mode (_launch imports the kernel at each call)
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                modes.append(kw["PDL"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kernels, "fp4_linear_mma_kernel", Spy())
     args = (p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
     monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", False)
     chained = fp4_moe_experts(*args)
+    assert 3 not in modes
     monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", True)
+    modes.clear()
     assert torch.equal(fp4_moe_experts(*args), chained)
+    assert modes.count(3) == 2, modes  # the second class of each GEMM
     out = torch.empty_like(chained)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -329,10 +329,13 @@ def fp4_linear_mma_kernel(
     PDL: gl.constexpr,  # programmatic dependent launch (kernels.pdl): 1 wait for the previous grid before any
     # load; 2 (GROUPED) read the tile map and request the first weight step, then wait: the plan must come
     # from a kernel that completed before the previous one passed its wait (MoE GEMM 2, two kernels on);
-    # 3 (GROUPED) independent of the previous kernel (the other class of the same GEMM, MMAHeights): let the
-    # next launch at once, read and write without waiting (everything read was written two or more kernels
-    # back, and no row written is the previous kernel's), and the grid's last program waits for the previous
-    # grid at its end, so that this grid completes after it (the next kernel's wait covers both)
+    # 3 (GROUPED, X_STAGES > 0) independent of the previous kernel (the other class of the same GEMM,
+    # MMAHeights), which itself waited for its own previous kernel before it let this one launch: let the next
+    # launch at once, read and write without waiting (everything read was written two or more kernels back,
+    # and no row written is the previous kernel's; what the previous kernels wrote comes through L2: x by
+    # cp.async.cg, the tile map, gather map and globals by .cg loads), and the grid's last program waits for
+    # the previous grid at its end, so that this grid completes after it (the next kernel's wait covers both).
+    # (The kw kernel's PDL 3 is another thing: an L2 prefetch.)
     SWIGLU: gl.constexpr,  # GROUPED, SPLIT_K == 1: MoE GEMM 1 with its epilogue (globals, bias, silu(g) * u) fused
     WG_MODE: gl.constexpr,  # SWIGLU: 0 no globals, 1 one per expert [E], 2 one per weight row [E, 2N]
     X_STAGES: gl.constexpr,  # 0: each warp loads its x tile into registers at the start of each step;
@@ -402,7 +405,10 @@ def fp4_linear_mma_kernel(
     offs_m = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout)),
                         gl.maximum(row_end - 1, 0))
     if GATHER:
-        offs_m = gl.load(row_x_ptr + offs_m)
+        if PDL == 3:  # read without a wait: through L2, as every such load
+            offs_m = gl.load(row_x_ptr + offs_m, cache_modifier=".cg")
+        else:
+            offs_m = gl.load(row_x_ptr + offs_m)
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     x_ptrs = x_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(offs_k, 0)
 
@@ -433,7 +439,10 @@ def fp4_linear_mma_kernel(
         rows_c = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_layout))
         offs_mc = gl.minimum(rows_c, gl.maximum(row_end - 1, 0))
         if GATHER:
-            offs_mc = gl.load(row_x_ptr + offs_mc)
+            if PDL == 3:
+                offs_mc = gl.load(row_x_ptr + offs_mc, cache_modifier=".cg")
+            else:
+                offs_mc = gl.load(row_x_ptr + offs_mc)
         xc_ptrs = x_ptr + gl.expand_dims(offs_mc.to(gl.int64) * stride_xm, 1) \
             + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, xc_layout)), 0)
         xc_mask = gl.expand_dims(rows_c < row_end, 1)
@@ -483,13 +492,20 @@ def fp4_linear_mma_kernel(
             u = u * FOLD
         e64 = gl.maximum(e, 0).to(gl.int64)  # an unused tile (e = -1) stores nothing
         if WG_MODE == 1:
-            g_e = gl.load(wg_ptr + e64)
+            if PDL == 3:
+                g_e = gl.load(wg_ptr + e64, cache_modifier=".cg")
+            else:
+                g_e = gl.load(wg_ptr + e64)
             out = out * g_e
             u = u * g_e
         if WG_MODE == 2:
             wg_e = wg_ptr + e64 * stride_ge
-            out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0), 1)
-            u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0), 1)
+            if PDL == 3:
+                out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"), 1)
+                u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"), 1)
+            else:
+                out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0), 1)
+                u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0), 1)
         if HAS_BIAS:
             b_e = bias_ptr + e64 * stride_be
             out = out + gl.expand_dims(gl.load(b_e + offs_n, mask=n_mask, other=0.0).to(gl.float32), 1)

@@ -593,7 +593,8 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
     tiles = (plan.tile_expert, plan.tile_start, plan.tile_end) if plan is not None else (unused,) * 3
     # the MoE chain (dispatch -> GEMM -> epilogue) launches with PDL; the plain linear's split-K path does not
     pdl = pdl_kwargs(x2.device) if plan is not None else {"PDL": 0, "launch_pdl": False}
-    if independent and pdl["PDL"]:
+    x_stages = _x_stages(config, x2, chunks)
+    if independent and pdl["PDL"] and x_stages:  # x in registers is loaded through L1: wait for it
         pdl = {"PDL": 3, "launch_pdl": True}
     elif plan_ready and pdl["PDL"]:
         pdl = {"PDL": 2, "launch_pdl": True}
@@ -610,7 +611,7 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
         FOLD=FOLD_E8M0 if mx else FOLD_E4M3, DECODE=decode_asm(p.order), SCALE=scale_asm(mx),
         X_LAYOUT=x_layout(config.block_m, kh, config.warps), EVEN_K=chunks * KCHUNK == x2.shape[1],
         GROUPED=plan is not None, GATHER=gather, SWIGLU=swiglu, WG_MODE=wg_mode,
-        X_STAGES=_x_stages(config, x2, chunks),
+        X_STAGES=x_stages,
         num_warps=config.warps, **pdl, **arch_kwargs(x2.device))
     return split
 
@@ -623,7 +624,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
     for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
-    (h, ``wg_mode`` and ``has_bias`` as the weight's); ``independent`` as ``launch_grouped_mma``'s. ``out_dtype`` ("bf16" or "fp16"): the plain
+    (h, ``wg_mode`` and ``has_bias`` as the weight's); ``independent`` as ``launch_grouped_mma``'s
+    (with the x ring). ``out_dtype`` ("bf16" or "fp16"): the plain
     linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's dtype there; the
     activations themselves are bf16 either way). ``order``: the weight pack's bit order
     (``MMAPackedFP4.order``; the MoE experts' is ``ops.moe.MOE_WORD_ORDER``)."""
@@ -671,7 +673,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                       X_LAYOUT={"layout": "fp4moe.kernels.linear_mma:x_layout",
                                 "args": [config.block_m, kh, config.warps]},
                       EVEN_K=chunks * KCHUNK == K, GROUPED=grouped, GATHER=grouped and gather,
-                      PDL=(3 if independent else 2 if plan_ready else 1) if grouped and get_arch(cc).has_pdl else 0,
+                      PDL=(3 if independent and config.xs and chunks * KCHUNK == K else 2 if plan_ready else 1)
+                      if grouped and get_arch(cc).has_pdl else 0,
                       SWIGLU=swiglu,
                       WG_MODE=wg_mode if swiglu else 0, X_STAGES=config.xs if chunks * KCHUNK == K else 0)
     return CompileRequest(kernel="fp4moe.kernels.linear_mma:fp4_linear_mma_kernel", signature=signature,
@@ -724,7 +727,9 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     ``independent``: nothing this launch reads was written by the kernel before it in the PDL chain,
     and none of its rows either (the second class of ``ops.moe.MMAHeights``, after the first): with
     PDL it runs alongside that kernel's last programs instead of waiting for it, and its last program
-    waits for it, so that the next kernel's wait covers both."""
+    waits for it, so that the next kernel's wait covers both. Only with x through the shared-memory
+    ring (``MMAConfig.xs``, where ``_x_stages`` keeps it): x in registers is read through L1, which
+    a grid that has not waited may hold stale; elsewhere the launch waits as usual."""
     _check_grouped(p, plan, config)
     if config.kw > 1:
         raise ValueError(f"config.kw: the grouped kernel splits K over programs (split_k), got kw={config.kw}")

@@ -525,8 +525,8 @@ FEW_PAIRS = (8, 16)
 
 
 def mma_moe_config(rows_per_expert: float, n_experts: int | None = None):
-    """One configuration for both grouped GEMMs, no K split (the active experts' row blocks fill the
-    GPU): tiles of 8 rows, 64 weight rows and 256 K per step; past 4 rows per expert 16-row tiles
+    """The grouped GEMMs' configuration (GEMM 2 takes ``mma_moe_gemm2_config`` of it), no K split
+    (the active experts' row blocks fill the GPU): tiles of 8 rows, 64 weight rows and 256 K per step; past 4 rows per expert 16-row tiles
     of 128 weight rows and 128 K per step (two row blocks per warp share each x fragment: GLM-5 at
     256 tokens, H200, ``scripts/sweep_moe_decode.py``, benchmarks/raw/sweep-moe-decode-h200.json:
     median 1,737-1,824 us over seven runs against 1,811-1,912 with one row block and 256 K).
@@ -685,7 +685,8 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
     partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
     the combine in one kernel; ``cfg`` (an ``MMAConfig``, or ``MMAHeights``: two launches per GEMM)
-    for both GEMMs, the plan made for ``cfg.block_m``; ``fused`` (None: ``decode_fuses_swiglu``)
+    for GEMM 1 and, through ``mma_moe_gemm2_config``, GEMM 2, the plan made for ``cfg.block_m``;
+    the second class launch of each GEMM overlaps the first (``_overlaps``); ``fused`` (None: ``decode_fuses_swiglu``)
     pins GEMM 1's variant. ``requant``
     (emulated W4A4, ``_w4a4_activations``): h -> (GEMM 2's bf16 input, w2 with its global scales) between
     the GEMMs; h (in ``out``'s dtype, x's) is then zero in the rows of dropped slots."""
@@ -702,10 +703,11 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     else:
         launches = [(cfg, plan)]
     part = None
+    globals13 = _weight_globals(w13) if fused else None  # once, before the launches (any copy it makes too)
     for i, (c, pl) in enumerate(launches):
         ind = _overlaps(launches, i)
         if fused:
-            launch_grouped_mma_swiglu(x, p13, I, pl, c, h, _weight_globals(w13), w13_bias, independent=ind)
+            launch_grouped_mma_swiglu(x, p13, I, pl, c, h, globals13, w13_bias, independent=ind)
         else:
             part = launch_grouped_mma(x, p13, 2 * I, pl, c, gather=True, out=part, independent=ind)
     if not fused:

@@ -1317,9 +1317,9 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
                 for kh in (1, 2, 4)]
 
     def heuristic(self, problem: MoEGemmProblem, arch: Arch, sm_count: int | None = None):
-        """The runtime's configuration (``ops.moe.mma_moe_layer_config``): where it runs two launches
-        (``MMAHeights``), that of the problem's class (``rows``), or without one the large tiles'
-        (the dispatch plan's height)."""
+        """The runtime's configuration (``ops.moe.mma_moe_layer_config``; GEMM 2's through
+        ``mma_moe_gemm2_config``): where it runs two launches (``MMAHeights``), that of the problem's
+        class (``rows``), or without one the large tiles' (the dispatch plan's height)."""
         from ..ops.moe import MMAHeights, mma_moe_gemm2_config, mma_moe_layer_config
 
         self.check_problem(problem)
