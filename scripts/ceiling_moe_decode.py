@@ -39,8 +39,8 @@ def _experts_read(words, scales, ids, out, n_w, n_s, BLOCK: tl.constexpr, PDL: t
 
 
 def _flat_int32(t: torch.Tensor, E: int) -> torch.Tensor:
-    flat = t.contiguous().view(torch.int32) if t.element_size() == 4 else t.contiguous().view(-1).view(torch.int32)
-    return flat.reshape(E, -1)
+    """A pack's words or scales as int32 [E, n]: each expert's bytes in one row."""
+    return t.contiguous().view(-1).view(torch.int32).reshape(E, -1)
 
 
 def main() -> None:

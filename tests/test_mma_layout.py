@@ -658,7 +658,8 @@ def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
     until the first's. Replayed in a CUDA graph, every replay gives the layer of the chained launches
     bit for bit: GEMM 2's first class reads h rows that only the first class of GEMM 1 writes, so a
     broken chain shows as rows read before they are written. 64 experts of 8 rows on average (the
-    decode kernel's range, both classes populated); the launches are checked to be PDL 3."""
+    decode kernel's range, both classes populated); the second class launches are checked to be PDL
+    3 where the GPU has programmatic dependent launch, and to wait as usual where it has not."""
     from dataclasses import replace
 
     from fp4moe.kernels import linear_mma as kernels
@@ -666,8 +667,7 @@ def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
     from fp4moe.ops._runtime import pdl_kwargs
     from fp4moe.ops.moe import MMAHeights, fp4_moe_experts, mma_moe_config, random_moe_problem
 
-    if not pdl_kwargs(torch.device("cuda"))["PDL"]:
-        pytest.skip("no programmatic dependent launch on this GPU (or FP4MOE_PDL=0)")
+    pdl = bool(pdl_kwargs(torch.device("cuda"))["PDL"])  # SM90+ (and FP4MOE_PDL not 0)
     p = random_moe_problem(64, 64, 8, 2048, 1024, fmt, device="cuda", seed=9)
     heights = MMAHeights(mma_moe_config(1.0), replace(mma_moe_config(8.0), xs=2), 8)
     counts = torch.bincount(p.topk_ids.long().flatten(), minlength=64)
@@ -691,7 +691,7 @@ def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
     monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", True)
     modes.clear()
     assert torch.equal(fp4_moe_experts(*args), chained)
-    assert modes.count(3) == 2, modes  # the second class of each GEMM
+    assert modes.count(3) == (2 if pdl else 0), modes  # the second class of each GEMM
     out = torch.empty_like(chained)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -720,19 +720,25 @@ def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, p
 def test_classes_overlap_only_after_a_launch(monkeypatch):
     """A GEMM's second class launch runs without waiting for the first only where the first
     launched (a class whose plan holds no tiles launches nothing: the second then follows the kernel
-    that wrote its inputs), and only with ``MMA_HEIGHTS_OVERLAP``."""
+    that wrote its inputs), and only with ``MMA_HEIGHTS_OVERLAP``; the planner asks the same rule
+    (``overlaps_previous_class``) of a class's rows."""
     from types import SimpleNamespace
 
     from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops.dispatch import ALL_ROWS
+    from fp4moe.ops.moe import MMAHeights, mma_moe_config, overlaps_previous_class
+
+    classes = [rows for _, rows in MMAHeights(mma_moe_config(1.0), mma_moe_config(8.0), 8).classes()]
 
     def launches(*tiles):
-        return [(None, SimpleNamespace(max_tiles=t)) for t in tiles]
+        return [(None, SimpleNamespace(max_tiles=t), rows) for t, rows in zip(tiles, classes)]
 
-    assert not moe_ops._overlaps(launches(3), 0) and not moe_ops._overlaps(launches(3, 4), 0)
-    assert moe_ops._overlaps(launches(3, 4), 1)
+    assert not moe_ops._overlaps([(None, SimpleNamespace(max_tiles=3), None)], 0)
+    assert not moe_ops._overlaps(launches(3, 4), 0) and moe_ops._overlaps(launches(3, 4), 1)
     assert not moe_ops._overlaps(launches(0, 4), 1)
+    assert [overlaps_previous_class(r) for r in (None, (0, 8), (8, ALL_ROWS))] == [False, False, True]
     monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", False)
-    assert not moe_ops._overlaps(launches(3, 4), 1)
+    assert not moe_ops._overlaps(launches(3, 4), 1) and not overlaps_previous_class((8, ALL_ROWS))
 
 
 @pytest.mark.parametrize("heights", [False, True])
@@ -855,7 +861,8 @@ def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # fused at this size too
     launches = []
     launch = mma_layout.launch_grouped_mma_swiglu
-    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu",
+                        lambda *a, **kw: launches.append(1) or launch(*a, **kw))
     guard.reset()  # the guard probes this variant here (a probe launch, then the layer's)
     fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
     assert len(launches) == 2 and any("swiglu_fused" in key.kernel for key in guard._checked)

@@ -360,6 +360,8 @@ def fp4_linear_mma_kernel(
     s_layout: gl.constexpr = gl.SliceLayout(3, w_layout)
     x_layout: gl.constexpr = X_LAYOUT
 
+    # PDL 3 reads what the chain wrote without a wait: through L2 (the tile map's loads always are)
+    NO_WAIT_CACHE: gl.constexpr = ".cg" if PDL == 3 else ""
     if PDL == 1:
         _pdl_enter()
     if PDL == 3:
@@ -405,10 +407,7 @@ def fp4_linear_mma_kernel(
     offs_m = gl.minimum(row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout)),
                         gl.maximum(row_end - 1, 0))
     if GATHER:
-        if PDL == 3:  # read without a wait: through L2, as every such load
-            offs_m = gl.load(row_x_ptr + offs_m, cache_modifier=".cg")
-        else:
-            offs_m = gl.load(row_x_ptr + offs_m)
+        offs_m = gl.load(row_x_ptr + offs_m, cache_modifier=NO_WAIT_CACHE)
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
     x_ptrs = x_ptr + gl.expand_dims(offs_m.to(gl.int64) * stride_xm, 1) + gl.expand_dims(offs_k, 0)
 
@@ -439,10 +438,7 @@ def fp4_linear_mma_kernel(
         rows_c = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_layout))
         offs_mc = gl.minimum(rows_c, gl.maximum(row_end - 1, 0))
         if GATHER:
-            if PDL == 3:
-                offs_mc = gl.load(row_x_ptr + offs_mc, cache_modifier=".cg")
-            else:
-                offs_mc = gl.load(row_x_ptr + offs_mc)
+            offs_mc = gl.load(row_x_ptr + offs_mc, cache_modifier=NO_WAIT_CACHE)
         xc_ptrs = x_ptr + gl.expand_dims(offs_mc.to(gl.int64) * stride_xm, 1) \
             + gl.expand_dims(gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, xc_layout)), 0)
         xc_mask = gl.expand_dims(rows_c < row_end, 1)
@@ -492,20 +488,13 @@ def fp4_linear_mma_kernel(
             u = u * FOLD
         e64 = gl.maximum(e, 0).to(gl.int64)  # an unused tile (e = -1) stores nothing
         if WG_MODE == 1:
-            if PDL == 3:
-                g_e = gl.load(wg_ptr + e64, cache_modifier=".cg")
-            else:
-                g_e = gl.load(wg_ptr + e64)
+            g_e = gl.load(wg_ptr + e64, cache_modifier=NO_WAIT_CACHE)
             out = out * g_e
             u = u * g_e
         if WG_MODE == 2:
             wg_e = wg_ptr + e64 * stride_ge
-            if PDL == 3:
-                out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"), 1)
-                u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg"), 1)
-            else:
-                out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0), 1)
-                u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0), 1)
+            out = out * gl.expand_dims(gl.load(wg_e + offs_n, mask=n_mask, other=0.0, cache_modifier=NO_WAIT_CACHE), 1)
+            u = u * gl.expand_dims(gl.load(wg_e + N + offs_n, mask=n_mask, other=0.0, cache_modifier=NO_WAIT_CACHE), 1)
         if HAS_BIAS:
             b_e = bias_ptr + e64 * stride_be
             out = out + gl.expand_dims(gl.load(b_e + offs_n, mask=n_mask, other=0.0).to(gl.float32), 1)

@@ -672,12 +672,19 @@ def decode_fuses_swiglu(cfg, activation: str, interleaved: bool, I: int, tiles: 
     return fuses_swiglu(cfg, activation, interleaved, I, fused_programs_per_sm(tiles, I, cfg, sm_count))
 
 
+def overlaps_previous_class(rows) -> bool:
+    """Whether the launch of ``MMAHeights``' class of experts with lo < rows <= hi (``rows``; None:
+    one launch for all) runs alongside the class launch before it (``MMA_HEIGHTS_OVERLAP``,
+    ``launch_grouped_mma(independent=True)``): every class but the first, whose rows neither it reads
+    nor writes. The runtime's rule (``_overlaps``) and the planner's compile requests."""
+    return MMA_HEIGHTS_OVERLAP and rows is not None and rows[0] > 0
+
+
 def _overlaps(launches, i: int) -> bool:
-    """Whether launch ``i`` of a GEMM's class launches (``MMAHeights``) runs alongside the one before
-    it (``MMA_HEIGHTS_OVERLAP``, ``launch_grouped_mma(independent=True)``): the second class neither
-    reads nor writes the first's rows. Only where the first launch runs: a class whose plan holds no
-    tiles launches nothing, and the second would then follow the kernel that wrote its inputs."""
-    return i > 0 and MMA_HEIGHTS_OVERLAP and all(pl.max_tiles > 0 for _, pl in launches[:i])
+    """``overlaps_previous_class`` for launch ``i`` of a GEMM's (configuration, plan, rows) launches,
+    only where the launches before it run: a class whose plan holds no tiles launches nothing, and
+    the next would then follow the kernel that wrote its inputs."""
+    return overlaps_previous_class(launches[i][2]) and all(pl.max_tiles > 0 for _, pl, _ in launches[:i])
 
 
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
@@ -686,8 +693,8 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     partials -> epilogue kernel; GEMM 2 partials -> its epilogue (globals, bias, routing weight) and
     the combine in one kernel; ``cfg`` (an ``MMAConfig``, or ``MMAHeights``: two launches per GEMM)
     for GEMM 1 and, through ``mma_moe_gemm2_config``, GEMM 2, the plan made for ``cfg.block_m``;
-    the second class launch of each GEMM overlaps the first (``_overlaps``); ``fused`` (None: ``decode_fuses_swiglu``)
-    pins GEMM 1's variant. ``requant``
+    the second class launch of each GEMM overlaps the first (``_overlaps``); ``fused`` (None:
+    ``decode_fuses_swiglu``) pins GEMM 1's variant. ``requant``
     (emulated W4A4, ``_w4a4_activations``): h -> (GEMM 2's bf16 input, w2 with its global scales) between
     the GEMMs; h (in ``out``'s dtype, x's) is then zero in the rows of dropped slots."""
     from .mma_layout import launch_grouped_mma, launch_grouped_mma_swiglu
@@ -699,12 +706,12 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     if fused is None:
         fused = decode_fuses_swiglu(cfg, activation, interleaved, I, plan.max_tiles, x.device)
     if isinstance(cfg, MMAHeights):  # each class's tiles over the same plan (both maps before the GEMMs)
-        launches = [(c, replace(plan, tiles=tile_map(plan, c.block_m, rows))) for c, rows in cfg.classes()]
+        launches = [(c, replace(plan, tiles=tile_map(plan, c.block_m, rows)), rows) for c, rows in cfg.classes()]
     else:
-        launches = [(cfg, plan)]
+        launches = [(cfg, plan, None)]
     part = None
     globals13 = _weight_globals(w13) if fused else None  # once, before the launches (any copy it makes too)
-    for i, (c, pl) in enumerate(launches):
+    for i, (c, pl, _) in enumerate(launches):
         ind = _overlaps(launches, i)
         if fused:
             launch_grouped_mma_swiglu(x, p13, I, pl, c, h, globals13, w13_bias, independent=ind)
@@ -717,7 +724,7 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         h, w2 = requant(h)
     # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
     part = None
-    for i, (c, pl) in enumerate(launches):
+    for i, (c, pl, _) in enumerate(launches):
         part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c), gather=False, plan_ready=True, out=part,
                                   independent=_overlaps(launches, i))
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)

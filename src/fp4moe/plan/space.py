@@ -1335,17 +1335,15 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         return cfg
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
-        from ..ops import moe as moe_ops
         from ..ops.mma_layout import mma_compile_request
-        from ..ops.moe import MOE_WORD_ORDER
+        from ..ops.moe import MOE_WORD_ORDER, overlaps_previous_class
 
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
         # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
         self._check_mode(problem, arch)
-        # MMAHeights' second class (rows above the first's) runs alongside the first (MMA_HEIGHTS_OVERLAP)
-        independent = problem.rows is not None and problem.rows[0] > 0 and moe_ops.MMA_HEIGHTS_OVERLAP
         return mma_compile_request(config, problem.fmt, arch.sm_version, problem.K, grouped=True,
-                                   gather=problem.gemm == 1, plan_ready=problem.gemm == 2, independent=independent,
+                                   gather=problem.gemm == 1, plan_ready=problem.gemm == 2,
+                                   independent=overlaps_previous_class(problem.rows),
                                    swiglu=self._fused(config, problem, default_gpu(arch).sm_count),
                                    wg_mode=1 if problem.fmt == "nvfp4" else 0, out_dtype=self._out_dtype(problem),
                                    order=MOE_WORD_ORDER)
