@@ -1,6 +1,7 @@
 """A/B measurement of the whole GLM-5 MoE layer (``ops.moe.moe_experts``: routing ids given,
 dispatch -> GEMMs -> combine) under CUDA graphs with one module constant of ``fp4moe.ops.moe`` at
-two values, timed interleaved in one process (one clock for both), outputs compared bitwise.
+two or more values, timed interleaved in one process (one clock for all), outputs compared bitwise
+with the first value's (equal only where the values sum in the same order).
 GPU only.
 Usage: PYTHONPATH=src python3 scripts/try_moe_layer_ab.py --name MMA_HEIGHTS_X_STAGES --values 0,2
        [--tokens 64,128,192,256] [--out DIR]"""
@@ -16,7 +17,8 @@ from fp4moe.ops import moe as moe_ops
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", required=True)
-    ap.add_argument("--values", required=True, help="two Python literals")
+    ap.add_argument("--values", required=True,
+                    help="Python literals, separated by ';' (or by ',' where none holds a comma)")
     ap.add_argument("--tokens", default="64,128,192,256")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -25,7 +27,7 @@ def main() -> None:
     from fp4moe.bench.timing import time_cuda_graphs
     from moe_decode_setup import decode_experts
 
-    values = [ast.literal_eval(v) for v in args.values.split(",")]
+    values = [ast.literal_eval(v) for v in args.values.split(";" if ";" in args.values else ",")]
     if not hasattr(moe_ops, args.name):
         raise SystemExit(f"fp4moe.ops.moe has no {args.name}")
     ex = decode_experts()
@@ -43,8 +45,10 @@ def main() -> None:
         outs = [layer(v)() for v in values]
         fns = {f"{args.name}={v}": layer(v) for v in values}
         res = {kk: vv.median_us for kk, vv in time_cuda_graphs(fns, iters_per_graph=10, reps=15).items()}
-        row = dict(T=T, bitwise=bool(torch.equal(outs[0], outs[1])), us=res)
-        print(T, row["bitwise"], {kk: round(vv, 1) for kk, vv in res.items()}, flush=True)
+        row = dict(T=T, bitwise=all(bool(torch.equal(outs[0], o)) for o in outs[1:]), us=res,
+                   max_rel_diff=max(float((o.float() - outs[0].float()).abs().max() / outs[0].float().abs().max())
+                                    for o in outs[1:]))
+        print(T, row["bitwise"], f"{row['max_rel_diff']:.2e}", {kk: round(vv, 1) for kk, vv in res.items()}, flush=True)
         rows.append(row)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

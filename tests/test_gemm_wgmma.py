@@ -98,6 +98,13 @@ def test_moe_config_choice():
     assert mma_moe_gemm2_config(mma_moe_config(8 / 256, 256)) == MMAConfig(rb=2, warps=4, kh=2, block_m=8, split_k=2)
     for rows in (16 / 256, 3.0, 8.0):
         assert mma_moe_gemm2_config(mma_moe_config(rows, 256)) == mma_moe_config(rows, 256)
+    # GEMM 2's pair rows: bf16 for bf16 outputs where K is not split, else fp32
+    from fp4moe.ops import moe as moe_ops
+
+    assert moe_ops.MMA_PAIR_ROWS == "bf16"
+    assert moe_ops.mma_pair_rows(mma_moe_config(8.0), 32, "bf16") == "bf16"
+    assert moe_ops.mma_pair_rows(mma_moe_config(8.0), 32, "fp16") == "fp32"
+    assert moe_ops.mma_pair_rows(mma_moe_gemm2_config(mma_moe_config(8 / 256, 256)), 32, "bf16") == "fp32"
     assert wgmma_moe_config(16.0).block_m == 32
     assert wgmma_moe_config(32.0).block_m == 64
     assert wgmma_moe_config(127.9) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32)

@@ -772,9 +772,12 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     tiles_seen = []
     first_tiles = []  # max_tiles of each GEMM's first class launch
 
-    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False, out=None, independent=False):
+    def emulated(x2, p, n_per_expert, plan, config, *, gather, plan_ready=False, out=None, independent=False,
+                 dtype=torch.float32):
         # GEMM 2 (no gather) runs two kernels after dispatch: it may read the plan before its PDL wait
         assert plan_ready == (not gather) and plan.block_m == config.block_m
+        # GEMM 1's partial sums are fp32; GEMM 2's pair rows bf16 (a bf16 layer, K not split)
+        assert dtype == (torch.float32 if gather else torch.bfloat16), (gather, dtype)
         # only a second class's launch (into the first's output) may run without waiting for the first,
         # and only where the first launched anything
         if out is None:
@@ -783,7 +786,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
         R = plan.sorted_pair.shape[0]
         # rows no tile covers must never be read (a second class's launch fills its own rows)
-        part = torch.full((1, R, n_per_expert), float("nan")) if out is None else out
+        part = torch.full((1, R, n_per_expert), float("nan"), dtype=dtype) if out is None else out
         tiles_seen.append((config.block_m, int(plan.n_tiles)))
         for t in range(plan.max_tiles):
             e = int(plan.tile_expert[t])
@@ -791,7 +794,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
                 continue
             for r in range(int(plan.tile_start[t]), int(plan.tile_end[t])):
                 row = int(plan.sorted_token[r]) if gather else r
-                part[0, r] = w[e] @ x2[row].float()
+                part[0, r] = (w[e] @ x2[row].float()).to(dtype)
         return part
 
     calls = []

@@ -673,6 +673,25 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
     assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear"
 
 
+def test_mma_moe_plans_the_pair_rows_the_runtime_writes(cache, monkeypatch):
+    """GEMM 2 of the decode path writes its pair rows in the dtype ``ops.moe.mma_pair_rows`` gives
+    the runtime (bf16 for bf16 layers where K is not split, else fp32): the plan compiles the same
+    pointer type, and GEMM 1's partial sums stay fp32."""
+    from fp4moe.ops import moe as moe_ops
+
+    arch = get_arch("sm90")
+    moe = get_kernel("fp4_moe_mma")
+    for T, mode, x_dtype, want in ((256, "w4a16", "bf16", "*bf16"), (256, "w4a4", "bf16", "*bf16"),
+                                   (256, "w4a4", "fp16", "*fp32"), (1, "w4a16", "bf16", "*fp32")):
+        gemm2 = MoEGemmProblem(T=T, top_k=8, E=256, N=6144, K=2048, gemm=2, mode=mode, x_dtype=x_dtype)
+        assert moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch).signature["y_ptr"] == want, (T, x_dtype)
+    gemm1 = MoEGemmProblem(T=1, top_k=8, E=256, N=2048, K=6144, gemm=1)
+    assert moe.compile_request(moe.heuristic(gemm1, arch), gemm1, arch).signature["y_ptr"] == "*fp32"
+    monkeypatch.setattr(moe_ops, "MMA_PAIR_ROWS", "fp32")
+    gemm2 = MoEGemmProblem(T=256, top_k=8, E=256, N=6144, K=2048, gemm=2)
+    assert moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch).signature["y_ptr"] == "*fp32"
+
+
 def test_emulated_w4a4_plans_the_variants_the_runtime_launches(cache):
     """Emulated W4A4 (SM80-SM90) runs the packed kernels on its activations dequantized to bf16
     (``ops.linear._launch_packed``, ``ops.moe._run_wgmma`` with its re-quantization): what they write

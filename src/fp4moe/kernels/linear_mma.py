@@ -305,7 +305,8 @@ def fp4_linear_mma_kernel(
     x_ptr,  # [M, K] bf16, (stride_xm, 1)
     wg_ptr,  # [1] fp32 weight global scale (HAS_WG), SWIGLU: WG_MODE's globals; else unused
     bias_ptr,  # [N] (HAS_BIAS; SWIGLU: [E, 2N], stride_be) or unused
-    y_ptr,  # SPLIT_K == 1 and not GROUPED, or SWIGLU: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] fp32 partial sums
+    y_ptr,  # SPLIT_K == 1 and not GROUPED, or SWIGLU: [M, N] (stride_ym, 1); else [SPLIT_K, M, N] partial sums
+    # (fp32; GROUPED may take bf16 rows, each sum rounded once)
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # GROUPED: the dispatch plan's tile map, else unused
     row_x_ptr,  # GROUPED and GATHER: [M] int32 x row of each sorted row, else unused
     M, N, K,  # K: the stored (padded) K, a multiple of 64; x is read (masked) up to K_X
@@ -508,7 +509,7 @@ def fp4_linear_mma_kernel(
         gl.store(y_ptr + rows * stride_ym + gl.expand_dims(offs_n, 1), out.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         part = y_ptr + (pid_k * M + rows) * N + gl.expand_dims(offs_n, 1)
-        gl.store(part, out, mask=mask)
+        gl.store(part, out.to(y_ptr.dtype.element_ty), mask=mask)
     if PDL == 3:  # one program holds the grid's completion back until the previous grid's
         if (pid_n == gl.num_programs(0) - 1) & (pid_m == gl.num_programs(1) - 1) & (pid_k == gl.num_programs(2) - 1):
             _pdl_wait()

@@ -286,7 +286,8 @@ def _store_token_row(acc, t, cols, mask, shared_ptr, out_ptr, stride_sm, stride_
 
 @triton.jit
 def moe_partials_combine_kernel(
-    part_ptr,  # [SPLIT, R, H] fp32 partial sums of W_e @ h^T per sorted row (GEMM 2 of kernels.linear_mma, grouped)
+    part_ptr,  # [SPLIT, R, H] fp32 (or, SPLIT 1, bf16) partial sums of W_e @ h^T per sorted row (GEMM 2 of
+    # kernels.linear_mma, grouped)
     wg_ptr, bias_ptr,  # GEMM 2's weight globals and bias, as moe_gemm_kernel
     row_w_ptr,  # [T * TOP_K] fp32 routing weight of each pair
     ids_ptr,  # [T, TOP_K] int32 expert ids; ids outside [0, E) are dropped slots (skipped)
@@ -300,8 +301,8 @@ def moe_partials_combine_kernel(
 ):
     """Grid (T, cdiv(H, BLOCK_H)): ``moe_partials_epilogue_kernel`` for GEMM 2 (globals, bias,
     routing weight) and ``moe_combine_kernel`` in one pass, so the per-pair rows never leave the
-    registers: each pair's value is rounded as the two kernels round it (fp32 pair rows) and the
-    token's TOP_K values are added in slot order, then the shared expert."""
+    registers: each pair's value is rounded as the two kernels round it (from its pair row, fp32 or
+    bf16, in fp32) and the token's TOP_K values are added in slot order, then the shared expert."""
     t, cols, mask, acc = _token_row(PDL, H, BLOCK_H)
     # no branch per slot: the slots' loads are all in flight at once (a branch would serialise
     # TOP_K memory round trips); a dropped slot reads nothing and adds 0, as moe_combine_kernel
@@ -312,7 +313,7 @@ def moe_partials_combine_kernel(
         m = mask & kept
         g = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for sp in tl.static_range(SPLIT):  # K splits in order, as moe_partials_epilogue_kernel
-            g += tl.load(part_ptr + (sp * R + row) * H + cols, mask=m, other=0.0)
+            g += tl.load(part_ptr + (sp * R + row) * H + cols, mask=m, other=0.0).to(tl.float32)
         if WG_MODE == 1:
             g = g * tl.load(wg_ptr + e, mask=kept, other=0.0)
         if WG_MODE == 2:

@@ -619,13 +619,14 @@ def _launch(x2, p: MMAPackedFP4, bias, target, M: int, N: int, config: MMAConfig
 def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int, *, has_bias: bool = False,
                         grouped: bool = False, gather: bool = False, swiglu: bool = False, wg_mode: int = 0,
                         plan_ready: bool = False, out_dtype: str = "bf16", order: str = "nibble",
-                        independent: bool = False):
+                        independent: bool = False, part_dtype: str = "fp32"):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
     or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
     for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
     (h, ``wg_mode`` and ``has_bias`` as the weight's); ``independent`` as ``launch_grouped_mma``'s
-    (with the x ring). ``out_dtype`` ("bf16" or "fp16"): the plain
+    (with the x ring); ``part_dtype`` ("fp32" or "bf16") the grouped partial sums' as its ``dtype``.
+    ``out_dtype`` ("bf16" or "fp16"): the plain
     linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's dtype there; the
     activations themselves are bf16 either way). ``order``: the weight pack's bit order
     (``MMAPackedFP4.order``; the MoE experts' is ``ops.moe.MOE_WORD_ORDER``)."""
@@ -635,6 +636,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
 
     if out_dtype not in ("bf16", "fp16"):
         raise ValueError(f"out_dtype: expected 'bf16' or 'fp16', got {out_dtype!r}")
+    if part_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"part_dtype: expected 'fp32' or 'bf16', got {part_dtype!r}")
     mx = get_format(fmt) is not NVFP4
     chunks = -(-K // KCHUNK)
     # K_X is x's K, a multiple of the format's block (16 or 32): the runtime specialises it, which lets
@@ -661,7 +664,8 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
     kh, split, _ = _split(config, chunks)
     signature = {"wq_ptr": "*i32", "sc_ptr": "*i16", "x_ptr": "*bf16", "wg_ptr": "*fp32",
                  "bias_ptr": "*bf16" if grouped else f"*{out_dtype}",
-                 "y_ptr": "*fp32" if (split > 1 or grouped) and not swiglu else f"*{out_dtype}", "tile_expert_ptr": "*i32",
+                 "y_ptr": (f"*{part_dtype}" if grouped else "*fp32") if (split > 1 or grouped) and not swiglu
+                 else f"*{out_dtype}", "tile_expert_ptr": "*i32",
                  "tile_start_ptr": "*i32",
                  "tile_end_ptr": "*i32", "row_x_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_X": "i32",
                  "stride_xm": "i32", "stride_ym": "i32", "k_chunks_per_split": "i32", "stride_ge": "i32",
@@ -714,13 +718,14 @@ def _check_grouped(p: MMAPackedFP4, plan, config: MMAConfig) -> None:
 
 def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, plan, config: MMAConfig, *,
                        gather: bool, plan_ready: bool = False, out: torch.Tensor | None = None,
-                       independent: bool = False) -> torch.Tensor:
+                       independent: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Partial sums ``part[s, r, :] = W_e @ x[row(r)]`` over the K share of split s, for every sorted
     row r of an MoE dispatch plan (``ops.dispatch``; its block_m must be ``config.block_m``) that
     one of the plan's tiles covers, e the row's expert. ``p`` packs the experts' weights stacked
     [E * n_per_expert, K] without global scales (the MoE epilogue applies them). Returns part
-    [splits, R, n_per_expert] fp32 (``out`` when given: a second launch over another class of the
-    plan's experts, ``ops.dispatch.tile_map(rows=...)``, writes its rows into the same tensor).
+    [splits, R, n_per_expert] in ``dtype`` (fp32, or bf16: each row's sum rounded once; ``out`` when
+    given: a second launch over another class of the plan's experts, ``ops.dispatch.tile_map(rows=...)``,
+    writes its rows into the same tensor).
     ``plan_ready``: the plan was written at least two kernels before this one in the PDL chain (MoE
     GEMM 2), so with PDL the kernel reads it and requests its first weight step before it waits for
     the previous kernel (whose launch already waited for the plan's writer to complete).
@@ -736,10 +741,12 @@ def launch_grouped_mma(x2: torch.Tensor, p: MMAPackedFP4, n_per_expert: int, pla
     R = plan.sorted_pair.shape[0]
     split = _split(config, p.words.shape[1])[1]
     shape = (split, R, n_per_expert)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype: the partial sums are float32 or bfloat16, got {dtype}")
     if out is None:
-        part = torch.empty(shape, dtype=torch.float32, device=x2.device)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out: expected contiguous fp32 {shape}, got {out.dtype} {tuple(out.shape)}")
+        part = torch.empty(shape, dtype=dtype, device=x2.device)
+    elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous {dtype} {shape}, got {out.dtype} {tuple(out.shape)}")
     else:
         part = out
     if plan.max_tiles == 0:  # a class of experts that no batch of this size can fill

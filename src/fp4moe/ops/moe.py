@@ -179,7 +179,8 @@ def launch_partials_combine(part: torch.Tensor, w2: FP4Tensor, plan: DispatchPla
                             out: torch.Tensor) -> torch.Tensor:
     """GEMM 2's epilogue and the combine in one launch (``moe_partials_combine_kernel``): out[t] =
     sum over kept slots s, in slot order, of (part[row(t, s)] * globals + bias) * weight(t, s), +
-    shared[t]. ``part`` [splits, R, H] (added in split order), ``pair_weights`` [T * k] fp32."""
+    shared[t]. ``part`` [splits, R, H] fp32 or bf16 (added in split order, in fp32), ``pair_weights``
+    [T * k] fp32."""
     import triton
 
     from ..kernels.moe import moe_partials_combine_kernel
@@ -548,11 +549,18 @@ def mma_moe_config(rows_per_expert: float, n_experts: int | None = None):
     return MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
 
 
+#: K split of ``mma_moe_config``'s few-pairs configuration (GEMM 1), and (row blocks per warp, K
+#: split) of GEMM 2's (``mma_moe_gemm2_config``)
+FEW_PAIRS_SPLIT = 2
+FEW_PAIRS_GEMM2 = (2, 2)
+
+
 def _few_pairs_split():
-    """``mma_moe_config``'s configuration for at most ``FEW_PAIRS[0]`` pairs: K split in two, 128-K steps."""
+    """``mma_moe_config``'s configuration for at most ``FEW_PAIRS[0]`` pairs: K split in
+    ``FEW_PAIRS_SPLIT``, 128-K steps."""
     from .mma_layout import MMAConfig
 
-    return MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)
+    return MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=FEW_PAIRS_SPLIT)
 
 
 def mma_moe_gemm2_config(cfg):
@@ -565,7 +573,7 @@ def mma_moe_gemm2_config(cfg):
     two-warp configuration with two row blocks was 6% slower, and GEMM 1 with two row blocks at one
     token 10% slower (54.0 -> 59.2-59.5)."""
     if cfg == _few_pairs_split():
-        return replace(cfg, rb=2)
+        return replace(cfg, rb=FEW_PAIRS_GEMM2[0], split_k=FEW_PAIRS_GEMM2[1])
     return cfg
 
 
@@ -687,6 +695,26 @@ def _overlaps(launches, i: int) -> bool:
     return overlaps_previous_class(launches[i][2]) and all(pl.max_tiles > 0 for _, pl, _ in launches[:i])
 
 
+#: GEMM 2's pair rows on the decode path (its partial sums, which the combine reads back) where K is
+#: not split: "bf16" (each pair's sum rounded once, as the wgmma path's ``PAIR_ROWS_DTYPE``) or "fp32".
+#: bf16 halves their traffic (at 256 GLM-5 tokens 50 MB written and read back in fp32). H200, GLM-5
+#: layer, replays interleaved in one process (scripts/try_moe_layer_ab.py --name MMA_PAIR_ROWS,
+#: benchmarks/raw/try-moe-pair-rows-h200.json): 64 tokens 1,263 -> 1,256 us (twice), 128 tokens
+#: 1,482 -> 1,471, 256 tokens 1,684 -> 1,667 and 1,737 -> 1,726 (0.6-1.0%)
+MMA_PAIR_ROWS = "bf16"
+
+
+def mma_pair_rows(cfg2, chunks: int, out_dtype: str) -> str:
+    """The dtype ("bf16" or "fp32") of GEMM 2's partial sums on the decode path for its
+    configuration ``cfg2`` on weights of ``chunks`` 64-K chunks and a layer output of ``out_dtype``
+    ("bf16" or "fp16"): ``MMA_PAIR_ROWS`` for bf16 outputs, fp32 for fp16 ones (3 more bits than a
+    bf16 row keeps) and wherever K is split (each split's sum would be rounded)."""
+    from .mma_layout import _split
+
+    bf16 = MMA_PAIR_ROWS == "bf16" and out_dtype == "bf16" and _split(cfg2, chunks)[1] == 1
+    return "bf16" if bf16 else "fp32"
+
+
 def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
              shared_out, out, fused=None, requant=None):
     """GEMM 1 with its epilogue (globals, bias, SwiGLU) in the kernel (``fuses_swiglu``), else GEMM 1
@@ -724,9 +752,12 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         h, w2 = requant(h)
     # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
     part = None
+    rows = mma_pair_rows(mma_moe_gemm2_config(launches[0][0]), p2.words.shape[1],
+                         "bf16" if out.dtype == torch.bfloat16 else "fp16")
+    dtype = torch.bfloat16 if rows == "bf16" else torch.float32
     for i, (c, pl, _) in enumerate(launches):
         part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c), gather=False, plan_ready=True, out=part,
-                                  independent=_overlaps(launches, i))
+                                  independent=_overlaps(launches, i), dtype=dtype)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 
 

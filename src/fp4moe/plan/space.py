@@ -1336,7 +1336,8 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
         from ..ops.mma_layout import mma_compile_request
-        from ..ops.moe import MOE_WORD_ORDER, overlaps_previous_class
+        from ..ops.mma_layout import KCHUNK
+        from ..ops.moe import MOE_WORD_ORDER, mma_pair_rows, overlaps_previous_class
 
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
         # one global per expert for NVFP4, none for MXFP4: the presets' checkpoints)
@@ -1346,7 +1347,9 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
                                    independent=overlaps_previous_class(problem.rows),
                                    swiglu=self._fused(config, problem, default_gpu(arch).sm_count),
                                    wg_mode=1 if problem.fmt == "nvfp4" else 0, out_dtype=self._out_dtype(problem),
-                                   order=MOE_WORD_ORDER)
+                                   order=MOE_WORD_ORDER,
+                                   part_dtype=mma_pair_rows(config, -(-problem.K // KCHUNK), problem.x_dtype)
+                                   if problem.gemm == 2 else "fp32")
 
     @staticmethod
     def _fused(config, problem: MoEGemmProblem, sm_count: int) -> bool:
