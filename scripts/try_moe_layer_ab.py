@@ -1,5 +1,6 @@
 """A/B measurement of the whole GLM-5 MoE layer (``ops.moe.moe_experts``: routing ids given,
-dispatch -> GEMMs -> combine) under CUDA graphs with one module constant of ``fp4moe.ops.moe`` at
+dispatch -> GEMMs -> combine) under CUDA graphs with one module constant of ``fp4moe.ops.moe`` (or,
+named "module.NAME", of another ``fp4moe.ops`` module) at
 two or more values, timed interleaved in one process (one clock for all), outputs compared bitwise
 with the first value's (equal only where the values sum in the same order).
 GPU only.
@@ -28,8 +29,14 @@ def main() -> None:
     from moe_decode_setup import decode_experts
 
     values = [ast.literal_eval(v) for v in args.values.split(";" if ";" in args.values else ",")]
-    if not hasattr(moe_ops, args.name):
-        raise SystemExit(f"fp4moe.ops.moe has no {args.name}")
+    module, name = moe_ops, args.name
+    if "." in args.name:  # another module of fp4moe.ops: "dispatch.TILES_PER_PROGRAM"
+        import importlib
+
+        mod_name, name = args.name.rsplit(".", 1)
+        module = importlib.import_module(f"fp4moe.ops.{mod_name}")
+    if not hasattr(module, name):
+        raise SystemExit(f"{module.__name__} has no {name}")
     ex = decode_experts()
     w13, w2 = ex.w13, ex.w2
     rows = []
@@ -38,7 +45,7 @@ def main() -> None:
 
         def layer(v):
             def run():
-                setattr(moe_ops, args.name, v)
+                setattr(module, name, v)
                 return moe_ops.moe_experts(x, w13, w2, ids, wts)
             return run
 

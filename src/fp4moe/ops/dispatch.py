@@ -254,9 +254,14 @@ def dispatch_reference(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> 
 # launcher
 
 
+#: most tiles one program of the tile-map kernel writes
+TILES_PER_PROGRAM = 128
+
+
 def _block_i(block_e: int) -> int:
-    """Tiles per program of the tile-map kernel: [block_i, block_e] comparisons in registers."""
-    return max(16, min(128, 16384 // block_e))
+    """Tiles per program of the tile-map kernel: [block_i, block_e] comparisons in registers, at
+    most ``TILES_PER_PROGRAM``."""
+    return max(16, min(TILES_PER_PROGRAM, 16384 // block_e))
 
 
 def _block_q(block_p: int, block_e: int) -> int:
