@@ -622,13 +622,12 @@ def mma_compile_request(config: MMAConfig, fmt: FP4Format | str, cc: int, K: int
                         independent: bool = False, part_dtype: str = "fp32"):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) of the mma.sync kernel as
     ``launch_linear_mma`` calls it for a weight of K columns (the K step fitted to K as ``_split``),
-    or, ``grouped``, as ``launch_grouped_mma`` does (fp32 partial sums, no globals or bias; ``gather``
-    for MoE GEMM 1, ``plan_ready`` for GEMM 2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does
-    (h, ``wg_mode`` and ``has_bias`` as the weight's); ``independent`` as ``launch_grouped_mma``'s
-    (with the x ring); ``part_dtype`` ("fp32" or "bf16") the grouped partial sums' as its ``dtype``.
-    ``out_dtype`` ("bf16" or "fp16"): the plain
-    linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's dtype there; the
-    activations themselves are bf16 either way). ``order``: the weight pack's bit order
+    or, ``grouped``, as ``launch_grouped_mma`` does (partial sums in ``part_dtype``, "fp32" or
+    "bf16", as its ``dtype``; no globals or bias; ``gather`` for MoE GEMM 1, ``plan_ready`` for GEMM
+    2), or, ``swiglu``, as ``launch_grouped_mma_swiglu`` does (h, ``wg_mode`` and ``has_bias`` as the
+    weight's); ``independent`` as ``launch_grouped_mma``'s (with the x ring). ``out_dtype`` ("bf16"
+    or "fp16"): the plain linear's output and bias, or the fused GEMM 1's h (emulated W4A4 keeps x's
+    dtype there; the activations themselves are bf16 either way). ``order``: the weight pack's bit order
     (``MMAPackedFP4.order``; the MoE experts' is ``ops.moe.MOE_WORD_ORDER``)."""
     from ..formats import get_format
     from ..kernels.linear_mma import FOLD_E4M3, FOLD_E8M0, decode_asm, scale_asm

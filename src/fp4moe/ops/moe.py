@@ -752,9 +752,9 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
         h, w2 = requant(h)
     # GEMM 2 follows GEMM 1 (and, unfused, the epilogue): dispatch wrote the plan two or more kernels back
     part = None
-    rows = mma_pair_rows(mma_moe_gemm2_config(launches[0][0]), p2.words.shape[1],
-                         "bf16" if out.dtype == torch.bfloat16 else "fp16")
-    dtype = torch.bfloat16 if rows == "bf16" else torch.float32
+    pair_rows = mma_pair_rows(mma_moe_gemm2_config(launches[0][0]), p2.words.shape[1],
+                              "bf16" if out.dtype == torch.bfloat16 else "fp16")
+    dtype = torch.bfloat16 if pair_rows == "bf16" else torch.float32
     for i, (c, pl, _) in enumerate(launches):
         part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c), gather=False, plan_ready=True, out=part,
                                   independent=_overlaps(launches, i), dtype=dtype)
