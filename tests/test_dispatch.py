@@ -187,6 +187,25 @@ def test_class_tile_map_covers_its_experts_only(block_m, rows, device):
             tile_map(plan, 8, bad)
 
 
+def test_tile_maps_shared_out_over_many_programs(monkeypatch, device):
+    """The tile-map kernel's programs take the experts' tile steps and the -1 entries in turn: with
+    16 tiles per program, an expert of 40 tiles (block_m = 1) spans 3 programs' steps, and a map
+    mostly of -1 entries spreads them over several programs."""
+    from fp4moe.ops import dispatch as dispatch_ops
+
+    monkeypatch.setattr(dispatch_ops, "TILES_PER_PROGRAM", 16)
+    for case in (CASES[3], CASES[0], CASES[7], CASES[9]):
+        ids = _ids(case).to(device)
+        ref = dispatch_reference(ids, case.E, case.block_m)
+        plan = dispatch(ids, case.E, case.block_m, config=BLOCKS)
+        assert_same_plan(plan, ref)
+        for block_m, rows in ((1, None), (3, (0, 2)), (2, (2, 2**31 - 1))):
+            tiles = tile_map(plan, block_m, rows)
+            want = tile_map_reference(ref.expert_counts, ref.expert_offsets, case.T * case.k, block_m, rows)
+            for name in TILE_FIELDS:
+                assert torch.equal(getattr(tiles, name).cpu(), getattr(want, name)), (case, block_m, rows, name)
+
+
 def test_out_of_range_ids_are_dropped_or_rejected(device):
     ids = torch.tensor([[0, 3], [5, 1], [-7, 2]], dtype=torch.int32, device=device)  # 5 >= E, -7 < -1
     with pytest.raises(ValueError, match=r"topk_ids: expected ids in \[0, n_experts=4\) or -1 \(dropped\), "

@@ -68,24 +68,33 @@ def _expert_tiles(counts, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi):
 
 
 @triton.jit
-def _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, ti, max_tiles, counts, offsets, tiles_incl,
-                 n_tiles, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi):
-    """Tile-map entries for tile indices ``ti``. ``counts``, ``offsets`` (exclusive) and
+def _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, part, n_parts, max_tiles, counts, offsets, tiles_incl,
+                 n_tiles, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi, BLOCK_I: tl.constexpr):
+    """Part ``part`` of ``n_parts`` of the tile map. ``counts``, ``offsets`` (exclusive) and
     ``tiles_incl`` (inclusive prefix sum of the tiles per expert, ``_expert_tiles`` with the same
-    ``rows_lo``, ``rows_hi``) are [BLOCK_E] vectors."""
+    ``rows_lo``, ``rows_hi``) are [BLOCK_E] vectors.
+
+    Expert-major: step j writes the j-th tile of every expert that has one (a [BLOCK_E] store at
+    the expert's first tile + j), the parts taking the steps in turn; then the -1 entries
+    [n_tiles, max_tiles), BLOCK_I per part in turn. Work grows with the largest expert's tiles, not
+    with tiles x experts (a search of each tile's expert costs [tiles, BLOCK_E] one-hot gathers)."""
     cols = tl.arange(0, counts.shape[0])
-    # the expert of tile i: the number of experts whose tiles all end at or before i
-    e = tl.sum(((tiles_incl[None, :] <= ti[:, None]) & (cols[None, :] < E)).to(tl.int32), axis=1)
     tiles = _expert_tiles(counts, E, BLOCK_M, rows_lo, rows_hi)
-    first = _gather(tiles_incl - tiles, e)
-    base = _gather(offsets, e)
-    start = base + (ti - first) * BLOCK_M
-    end = tl.minimum(start + BLOCK_M, base + _gather(counts, e))
-    ok = ti < n_tiles
-    t_mask = ti < max_tiles
-    tl.store(tile_expert_ptr + ti, tl.where(ok, e, -1), mask=t_mask)
-    tl.store(tile_start_ptr + ti, tl.where(ok, start, -1), mask=t_mask)
-    tl.store(tile_end_ptr + ti, tl.where(ok, end, -1), mask=t_mask)
+    first = tiles_incl - tiles
+    end_e = offsets + counts
+    for j in range(part, tl.max(tiles, axis=0), n_parts):
+        has = j < tiles
+        start = offsets + j * BLOCK_M
+        tl.store(tile_expert_ptr + first + j, cols, mask=has)
+        tl.store(tile_start_ptr + first + j, start, mask=has)
+        tl.store(tile_end_ptr + first + j, tl.minimum(start + BLOCK_M, end_e), mask=has)
+    unused = tl.full([BLOCK_I], -1, tl.int32)
+    for i0 in range(n_tiles + part * BLOCK_I, max_tiles, n_parts * BLOCK_I):
+        ti = i0 + tl.arange(0, BLOCK_I)
+        t_mask = ti < max_tiles
+        tl.store(tile_expert_ptr + ti, unused, mask=t_mask)
+        tl.store(tile_start_ptr + ti, unused, mask=t_mask)
+        tl.store(tile_end_ptr + ti, unused, mask=t_mask)
 
 
 @triton.jit
@@ -158,9 +167,8 @@ def dispatch_fused_kernel(
         seen += _count(e, p_mask & routed, BLOCK_E)
         seen_dropped += tl.sum((p_mask & (~routed)).to(tl.int32), axis=0)
 
-    for i0 in range(0, max_tiles, BLOCK_P):
-        _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, i0 + lane, max_tiles, counts, offsets,
-                     tiles_incl, n_tiles, E, BLOCK_M, 0, ALL_ROWS)
+    _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, 0, 1, max_tiles, counts, offsets, tiles_incl, n_tiles,
+                 E, BLOCK_M, 0, ALL_ROWS, BLOCK_P)
 
 
 @triton.jit
@@ -266,7 +274,7 @@ def dispatch_tiles_kernel(
 ):
     """Grid (max(1, cdiv(max_tiles, BLOCK_I)),): every program derives offsets and tile counts
     from the bucket counts (cheap: one [BLOCK_E] scan); program 0 stores them (STORE_TABLE) and
-    the tile count; each program writes tiles [pid*BLOCK_I, (pid+1)*BLOCK_I)."""
+    the tile count; the programs share out the writing of the map (``_write_tiles``'s parts)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
@@ -278,8 +286,8 @@ def dispatch_tiles_kernel(
             _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, n_routed, n_tiles, E)
         else:
             tl.store(n_tiles_out_ptr + cols, tl.where(cols == 0, n_tiles, 0), mask=cols == 0)
-    _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, pid * BLOCK_I + tl.arange(0, BLOCK_I), max_tiles,
-                 counts, offsets, tiles_incl, n_tiles, E, BLOCK_M, rows_lo, rows_hi)
+    _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, pid, tl.num_programs(0), max_tiles, counts, offsets,
+                 tiles_incl, n_tiles, E, BLOCK_M, rows_lo, rows_hi, BLOCK_I)
 
 
 @triton.jit
