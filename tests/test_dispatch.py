@@ -127,6 +127,23 @@ def test_dispatch_matches_reference(case, config, device):
     assert_same_plan(out, ref)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c.T}_k{c.k}_E{c.E}_m{c.block_m}_{c.pattern}")
+def test_block_chain_with_and_without_the_place_kernel(case, monkeypatch, device):
+    """The block path places its pairs in one launch after the histograms where the blocks are few
+    (``PLACE_MAX_BLOCKS``), else through scan, tiles and scatter: both give the reference's plan
+    (with 16-pair blocks, T=33 x k=8 makes 17 blocks: the place kernel reads the histograms in
+    two rounds of ``PLACE_BLOCK_B``)."""
+    from fp4moe.ops import dispatch as dispatch_ops
+
+    ids = _ids(case).to(device)
+    ref = dispatch_reference(ids, case.E, case.block_m)
+    assert dispatch_ops.uses_place_kernel(ids.numel(), BLOCKS.block_p)
+    assert_same_plan(dispatch(ids, case.E, case.block_m, config=BLOCKS), ref)
+    monkeypatch.setattr(dispatch_ops, "PLACE_MAX_BLOCKS", 0)
+    assert not dispatch_ops.uses_place_kernel(ids.numel(), BLOCKS.block_p)
+    assert_same_plan(dispatch(ids, case.E, case.block_m, config=BLOCKS), ref)
+
+
 def test_routing_output_feeds_dispatch(device):
     """OEA ids (with -1 slots) from the routing kernel, straight into dispatch."""
     from fp4moe.models import Routing
@@ -204,6 +221,38 @@ def test_tile_maps_shared_out_over_many_programs(monkeypatch, device):
             want = tile_map_reference(ref.expert_counts, ref.expert_offsets, case.T * case.k, block_m, rows)
             for name in TILE_FIELDS:
                 assert torch.equal(getattr(tiles, name).cpu(), getattr(want, name)), (case, block_m, rows, name)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS) + ["chain"])
+def test_dispatch_writes_class_tile_maps(config, monkeypatch, device):
+    """``dispatch(classes=...)`` gives each class the map ``tile_map`` would: in the place kernel's
+    launch for one or two classes, else a launch each (three classes, the one-program paths, the
+    scan/tiles/scatter chain)."""
+    from fp4moe.ops import dispatch as dispatch_ops
+
+    cfg = BLOCKS if config == "chain" else CONFIGS[config]
+    if config == "chain":
+        monkeypatch.setattr(dispatch_ops, "PLACE_MAX_BLOCKS", 0)
+    sets = (((8, (0, 8)), (16, (8, 2**31 - 1))), ((4, (2, 5)),), ((2, (0, 1)), (4, (1, 3)), (8, (3, 2**31 - 1))))
+    for case in (CASES[0], CASES[3], CASES[6], CASES[9]):
+        ids = _ids(case).to(device)
+        ref = dispatch_reference(ids, case.E, case.block_m)
+        for classes in sets:
+            plan = dispatch(ids, case.E, case.block_m, config=cfg, classes=classes)
+            assert_same_plan(plan, ref)
+            assert len(plan.class_tiles) == len(classes)
+            for (block_m, rows), got in zip(classes, plan.class_tiles):
+                want = tile_map_reference(ref.expert_counts, ref.expert_offsets, case.T * case.k, block_m, rows)
+                assert got.block_m == block_m and got.rows == rows
+                for name in TILE_FIELDS:
+                    assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), (case, classes, name)
+    empty = dispatch(torch.empty((0, 4), dtype=torch.int32, device=device), 16, 8, classes=sets[0])
+    assert [int(t.n_tiles) for t in empty.class_tiles] == [0, 0]
+    ids = _ids(CASES[0]).to(device)
+    for bad, err in (((8, (0, 8)), ValueError), ([(0, (0, 8))], ValueError), ([(8, (8, 8))], ValueError),
+                     (8, TypeError)):
+        with pytest.raises(err, match="classes|rows"):
+            dispatch(ids, 256, 16, classes=bad)
 
 
 def test_out_of_range_ids_are_dropped_or_rejected(device):
@@ -293,6 +342,11 @@ def test_cross_compile_default_configs():
         cfg = DispatchConfig.from_heuristic(n_pairs, E)
         for cc in (80, 90, 120):
             requests += compile_requests(n_pairs, E, 8, 64, cfg, cc)
+    # the place kernel with the decode path's two class maps (GLM-5 at 256 tokens)
+    heights = ((8, (0, 8)), (16, (8, 2**31 - 1)))
+    for cc in (80, 90, 120):
+        requests += compile_requests(2048, 256, 8, 16, DispatchConfig.from_heuristic(2048, 256), cc, classes=heights)
+    assert any(r.constexprs.get("N_CLASSES") == 2 for r in requests)
     for req, r in zip(requests, cross_compile(requests)):
         assert r.ok, f"sm{req.cc} {req.kernel} {req.constexprs}: {r.error}"
         assert r.spill_bytes == 0, f"sm{req.cc} {req.kernel} {req.constexprs}: spills {r.spill_bytes} B"

@@ -763,6 +763,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
         fp4_moe_reference,
         mma_moe_config,
         mma_packed_experts,
+        packed_dispatch,
         random_moe_problem,
     )
 
@@ -814,7 +815,13 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # the CPU's tiny grid
     packed = (mma_packed_experts(w13), mma_packed_experts(w2))
     cfg = MMAHeights(mma_moe_config(1), mma_moe_config(8), 2) if heights else mma_moe_config(T * k / E)
-    out = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation, interleaved, b13,
+
+    def no_launch(*a, **kw):
+        raise AssertionError("the plan carries the class tile maps: no tile_map launch")
+
+    tile_map = moe_ops.tile_map
+    monkeypatch.setattr(moe_ops, "tile_map", no_launch)
+    out = _run_mma(x, w13, w2, packed, ids, wts, packed_dispatch(ids, E, cfg), cfg, k, activation, interleaved, b13,
                    b2, None, torch.empty(T, H, dtype=torch.bfloat16))
     ref = fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved,
                             w13_bias=b13, w2_bias=b2).float()
@@ -827,6 +834,12 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
         small, large = int(((counts > 0) & (counts <= 2)).sum()), int((counts > 2).sum())
         assert small and large, counts
         assert tiles_seen == [(8, small), (16, large)] * 2
+        # a plan made without the class maps: a tile_map launch per class, the same layer
+        monkeypatch.setattr(moe_ops, "tile_map", tile_map)
+        tiles_seen.clear(), first_tiles.clear(), calls.clear()
+        again = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation,
+                         interleaved, b13, b2, None, torch.empty(T, H, dtype=torch.bfloat16))
+        assert torch.equal(again, out) and tiles_seen == [(8, small), (16, large)] * 2
 
 
 def test_fused_swiglu_gemm1_cross_compiles():

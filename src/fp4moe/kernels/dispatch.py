@@ -17,7 +17,9 @@ Three ways to get there:
   * ``dispatch_histogram_kernel`` -> ``dispatch_scan_kernel`` -> ``dispatch_tiles_kernel`` ->
     ``dispatch_scatter_kernel``: per-block histograms, their exclusive scan along the blocks,
     offsets and tile map, then each block scatters its pairs (large T*k, prefill); buckets are
-    next_pow2(E + 1) wide, bucket E holding the dropped pairs.
+    next_pow2(E + 1) wide, bucket E holding the dropped pairs. Where the blocks are few (decode
+    batches of hundreds of tokens), ``dispatch_place_kernel`` does the last three in one launch,
+    every program reading all the block histograms.
 
 Tile map: expert e with c_e pairs owns ceil(c_e / BLOCK_M) consecutive tiles; tile i covers rows
 [start, end) of one expert. Tiles past the valid count are -1 in all three arrays. A *class* tile
@@ -305,14 +307,89 @@ def dispatch_scatter_kernel(
     BLOCK_Q at a time)."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
-    p0 = pid * BLOCK_P
+    _scatter_block(ids_ptr, offsets_ptr, hist_ptr + pid * BLOCK_E, sorted_token_ptr, sorted_pair_ptr, pair_row_ptr,
+                   pid * BLOCK_P, n_pairs, E, TOP_K, BLOCK_P, BLOCK_Q, True)
+
+
+@triton.jit
+def _scatter_block(ids_ptr, first_ptr, before_ptr, sorted_token_ptr, sorted_pair_ptr, pair_row_ptr, p0, n_pairs, E,
+                   TOP_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, HAS_BEFORE: tl.constexpr):
+    """Rows of pairs [p0, p0 + BLOCK_P): first_ptr[e] (+ before_ptr[e] when HAS_BEFORE: the
+    bucket's first row, its pairs in earlier blocks) + earlier pairs of e in this block (compared
+    BLOCK_Q at a time)."""
     lane = tl.arange(0, BLOCK_P)
     offs = p0 + lane
     e, p_mask = _buckets(ids_ptr, offs, n_pairs, E)
-    row = tl.load(offsets_ptr + e, mask=p_mask, other=0) + tl.load(hist_ptr + pid * BLOCK_E + e, mask=p_mask, other=0)
+    row = tl.load(first_ptr + e, mask=p_mask, other=0)
+    if HAS_BEFORE:
+        row += tl.load(before_ptr + e, mask=p_mask, other=0)
     q_lane = tl.arange(0, BLOCK_Q)
     for q0 in range(0, BLOCK_P, BLOCK_Q):
         eq, q_mask = _buckets(ids_ptr, p0 + q0 + q_lane, n_pairs, E)
         earlier = (e[:, None] == eq[None, :]) & ((q0 + q_lane)[None, :] < lane[:, None]) & q_mask[None, :]
         row += tl.sum(earlier.to(tl.int32), axis=1)
     _store_rows(sorted_token_ptr, sorted_pair_ptr, pair_row_ptr, offs, e, row, p_mask, E, TOP_K)
+
+
+@triton.jit
+def dispatch_place_kernel(
+    ids_ptr,  # [n_pairs] int32
+    hist_ptr,  # [n_blocks, BLOCK_E] int32 in: pairs per bucket in each block (dispatch_histogram_kernel)
+    base_ptr,  # [n_blocks, BLOCK_E] int32 scratch: each program's first row of every bucket
+    counts_ptr, offsets_ptr, n_tiles_ptr,  # [E], [E + 1], [1] int32 out (program 0)
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # [max_tiles] int32 out
+    sorted_token_ptr, sorted_pair_ptr, pair_row_ptr,  # [n_pairs] int32 out
+    n_pairs, E, n_blocks, max_tiles,
+    class_ptr,  # int32 out: N_CLASSES class tile maps, each [expert | start | end (max tiles each), n_tiles]
+    a_lo, a_hi, a_max, b_lo, b_hi, b_max,  # classes a, b: rows (lo, hi] of their experts, max tiles
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_I: tl.constexpr,
+    N_CLASSES: tl.constexpr, A_M: tl.constexpr, B_M: tl.constexpr,  # class maps (0..2) and their tile heights
+    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
+):
+    """Grid (n_blocks,): ``dispatch_scan_kernel``, ``dispatch_tiles_kernel`` and
+    ``dispatch_scatter_kernel`` in one launch where the blocks are few: every program reads all the
+    block histograms (BLOCK_B rows at a time) for the bucket totals and its own blocks' prefix,
+    keeps its first row of each bucket in ``base`` (read back by the pairs' buckets after a
+    barrier: a [BLOCK_P, BLOCK_E] one-hot gather costs more), places its block's pairs and writes
+    its part of the tile map and of the N_CLASSES class tile maps (``_class_tiles``, class b's
+    after class a's in ``class_ptr``); program 0 stores the expert table."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)
+    for b0 in range(0, n_blocks, BLOCK_B):
+        blocks = b0 + tl.arange(0, BLOCK_B)
+        h = tl.load(hist_ptr + blocks[:, None] * BLOCK_E + cols[None, :], mask=(blocks < n_blocks)[:, None], other=0)
+        counts += tl.sum(h, axis=0)
+        before += tl.sum(tl.where((blocks < pid)[:, None], h, 0), axis=0)
+    offsets, tiles_incl, n_tiles = _expert_table(counts, E, BLOCK_M, 0, ALL_ROWS)
+    if pid == 0:
+        n_routed = tl.sum(tl.where(cols < E, counts, 0), axis=0)
+        _store_expert_table(counts_ptr, offsets_ptr, n_tiles_ptr, counts, offsets, n_routed, n_tiles, E)
+    tl.store(base_ptr + pid * BLOCK_E + cols, offsets + before)
+    tl.debug_barrier()  # the program's own global stores, visible to all its threads
+    _scatter_block(ids_ptr, base_ptr + pid * BLOCK_E, base_ptr, sorted_token_ptr, sorted_pair_ptr, pair_row_ptr,
+                   pid * BLOCK_P, n_pairs, E, TOP_K, BLOCK_P, BLOCK_Q, False)
+    _write_tiles(tile_expert_ptr, tile_start_ptr, tile_end_ptr, pid, tl.num_programs(0), max_tiles, counts, offsets,
+                 tiles_incl, n_tiles, E, BLOCK_M, 0, ALL_ROWS, BLOCK_I)
+    if N_CLASSES >= 1:
+        _class_tiles(class_ptr, a_max, pid, tl.num_programs(0), counts, offsets, E, A_M, a_lo, a_hi, BLOCK_I)
+    if N_CLASSES >= 2:
+        _class_tiles(class_ptr + 3 * a_max + 1, b_max, pid, tl.num_programs(0), counts, offsets, E, B_M, b_lo, b_hi,
+                     BLOCK_I)
+
+
+@triton.jit
+def _class_tiles(map_ptr, max_tiles, part, n_parts, counts, offsets, E, BLOCK_M: tl.constexpr, rows_lo, rows_hi,
+                 BLOCK_I: tl.constexpr):
+    """Part ``part`` of a class tile map (the experts with rows_lo < count <= rows_hi) into one
+    buffer: expert, start and end (``max_tiles`` each), then the tile count (part 0)."""
+    cols = tl.arange(0, counts.shape[0])
+    tiles_incl = tl.cumsum(_expert_tiles(counts, E, BLOCK_M, rows_lo, rows_hi), axis=0)
+    n_tiles = tl.max(tiles_incl, axis=0)
+    if part == 0:
+        tl.store(map_ptr + 3 * max_tiles + cols, tl.where(cols == 0, n_tiles, 0), mask=cols == 0)
+    _write_tiles(map_ptr, map_ptr + max_tiles, map_ptr + 2 * max_tiles, part, n_parts, max_tiles, counts, offsets,
+                 tiles_incl, n_tiles, E, BLOCK_M, rows_lo, rows_hi, BLOCK_I)

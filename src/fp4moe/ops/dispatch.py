@@ -1,7 +1,7 @@
 """MoE dispatch plan: token-expert pairs sorted by expert, per-expert offsets, tile -> expert map.
 
 Layers: ``kernels.dispatch`` (@triton.jit bodies) -> ``launch_dispatch`` (grids; one launch when
-small, four when large) -> ``fp4moe::dispatch`` (torch.library custom op with a fake) ->
+small, two when the pair blocks are few, four when many) -> ``fp4moe::dispatch`` (torch.library custom op with a fake) ->
 ``dispatch`` (public). ``dispatch_reference`` defines the result; the kernels equal it exactly.
 
 Definitions, for ``topk_ids`` [T, k] and pairs p = t * k + slot:
@@ -17,7 +17,10 @@ Definitions, for ``topk_ids`` [T, k] and pairs p = t * k + slot:
   tile i covers rows ``[tile_start[i], tile_end[i])`` of ``tile_expert[i]``. The tile
   arrays have the worst-case length ``max_tiles(T*k, E, block_m)``; ``n_tiles`` [1] (on the
   device) is the valid count and the entries past it are -1, so a GEMM launched over
-  ``max_tiles`` programs exits early on -1 and nothing waits for the host.
+  ``max_tiles`` programs exits early on -1 and nothing waits for the host;
+* class tile maps (``classes``): the same for another tile height, over only the experts with
+  lo < counts[e] <= hi (``tile_map``); ``dispatch`` writes them with the plan, in the same launch
+  where it places the pairs with ``dispatch_place_kernel``.
 
 No host synchronisation and no data-dependent shapes: CUDA-graph capturable at fixed T.
 Deterministic: no atomics; every position is an integer count.
@@ -121,6 +124,19 @@ def uses_small_kernel(n_pairs: int, block_p: int) -> bool:
     return n_pairs <= block_p
 
 
+#: block histograms up to which the block path places its pairs in one launch after the histogram
+#: (``dispatch_place_kernel``: every program reads all of them) instead of scan, tiles and scatter
+PLACE_MAX_BLOCKS = 64
+#: histogram rows the place kernel reads at a time
+PLACE_BLOCK_B = 16
+
+
+def uses_place_kernel(n_pairs: int, block_p: int) -> bool:
+    """Whether the block path runs ``dispatch_place_kernel`` after the histograms (the launcher's
+    and the planner's choice)."""
+    return -(-n_pairs // block_p) <= PLACE_MAX_BLOCKS
+
+
 @dataclass
 class TileMap:
     tile_expert: torch.Tensor  # int32 [max_tiles]: expert of tile i, -1 past n_tiles
@@ -128,6 +144,7 @@ class TileMap:
     tile_end: torch.Tensor  # int32 [max_tiles]: one past its last row
     n_tiles: torch.Tensor  # int32 [1]: valid tiles (on the device)
     block_m: int
+    rows: tuple[int, int] | None = None  # a class map's (lo, hi) (``tile_map``); None: every expert
 
 
 @dataclass
@@ -139,6 +156,7 @@ class DispatchPlan:
     pair_row: torch.Tensor  # int32 [T*k]
     tiles: TileMap
     top_k: int
+    class_tiles: tuple = ()  # TileMap per ``classes`` entry of ``dispatch``
 
     @property
     def n_experts(self) -> int:
@@ -269,14 +287,40 @@ def _block_q(block_p: int, block_e: int) -> int:
     return max(1, min(block_p, 8192 // block_e))
 
 
-def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int, config: DispatchConfig):
-    """Build the plan from contiguous int32 ids [n_pairs] (n_pairs >= 1). Returns the ten
-    tensors in ``DispatchPlan`` field order (tiles flattened: expert, start, end, n_tiles)."""
+def class_layout(n_pairs: int, n_experts: int, classes) -> list[tuple[int, int]]:
+    """(offset, max tiles) of each class tile map in the one int32 buffer ``dispatch`` writes them
+    to: expert, start and end (max tiles each), then the tile count; ``classes``: (block_m, (lo,
+    hi)) pairs."""
+    layout, at = [], 0
+    for block_m, rows in classes:
+        n_max = max_tiles(n_pairs, n_experts, block_m, rows)
+        layout.append((at, n_max))
+        at += 3 * n_max + 1
+    return layout
+
+
+def _class_size(n_pairs: int, n_experts: int, classes) -> int:
+    return sum(3 * n_max + 1 for _, n_max in class_layout(n_pairs, n_experts, classes))
+
+
+def _class_views(buf: torch.Tensor, n_pairs: int, n_experts: int, classes) -> list[tuple]:
+    """(expert, start, end, n_tiles) views of each class map in ``buf``."""
+    return [(buf[at:at + n], buf[at + n:at + 2 * n], buf[at + 2 * n:at + 3 * n], buf[at + 3 * n:at + 3 * n + 1])
+            for at, n in class_layout(n_pairs, n_experts, classes)]
+
+
+def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int, config: DispatchConfig,
+                    classes=()):
+    """Build the plan from contiguous int32 ids [n_pairs] (n_pairs >= 1). Returns the nine
+    tensors in ``DispatchPlan`` field order (tiles flattened: expert, start, end, n_tiles), then
+    the buffer of the class tile maps (``class_layout``; ``classes``: (block_m, (lo, hi)) pairs):
+    written by the place kernel for up to two classes, else by a ``launch_tile_map`` each."""
     import triton
 
     from ..kernels.dispatch import (
         dispatch_fused_kernel,
         dispatch_histogram_kernel,
+        dispatch_place_kernel,
         dispatch_scan_kernel,
         dispatch_scatter_kernel,
         dispatch_small_kernel,
@@ -291,6 +335,8 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
     sorted_token, sorted_pair, pair_row = torch.empty(n, **i32), torch.empty(n, **i32), torch.empty(n, **i32)
     t_expert, t_start, t_end = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32)
     n_tiles = torch.empty(1, **i32)
+    class_buf = torch.empty(_class_size(n, E, classes), **i32)
+    plan = (counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start, t_end, n_tiles, class_buf)
     w = config.num_warps
     pdl = pdl_kwargs(dev)
     if config.fused and uses_small_kernel(n, config.block_p):
@@ -309,22 +355,49 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
         block_q = _block_q(config.block_p, block_e)
         dispatch_histogram_kernel[(n_blocks,)](ids, hist, n, E, BLOCK_P=config.block_p, BLOCK_Q=block_q,
                                                BLOCK_E=block_e, num_warps=w, **pdl, **arch_kwargs(dev))
+        block_i = _block_i(block_e)
+        if uses_place_kernel(n, config.block_p):
+            base = torch.empty((n_blocks, block_e), **i32)
+            cls = list(classes) if len(classes) <= 2 else []
+            args, cm = [], []
+            for (m, (lo, hi)), (_, n_cls) in zip(cls, class_layout(n, E, cls)):
+                args += [lo, hi, n_cls]
+                cm.append(m)
+            args += [0, 0, 0] * (2 - len(cls))
+            cm += [1] * (2 - len(cls))
+            dispatch_place_kernel[(n_blocks,)](
+                ids, hist, base, counts, offsets, n_tiles, t_expert, t_start, t_end, sorted_token, sorted_pair,
+                pair_row, n, E, n_blocks, n_max, class_buf, *args, TOP_K=top_k, BLOCK_M=block_m,
+                BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p), BLOCK_E=block_e, BLOCK_B=PLACE_BLOCK_B,
+                BLOCK_I=block_i, N_CLASSES=len(cls), A_M=cm[0], B_M=cm[1], num_warps=w, **pdl, **arch_kwargs(dev))
+            if cls:
+                return plan
+            _class_launches(counts, n, classes, class_buf)
+            return plan
         block_c = min(block_e, 64)
         dispatch_scan_kernel[(block_e // block_c,)](hist, bucket_counts, n_blocks, BLOCK_E=block_e, BLOCK_B=16,
                                                     BLOCK_C=block_c, num_warps=w, **pdl, **arch_kwargs(dev))
-        block_i = _block_i(block_e)
         dispatch_tiles_kernel[(max(1, triton.cdiv(n_max, block_i)),)](
             bucket_counts, counts, offsets, n_tiles, t_expert, t_start, t_end, n_tiles, block_e, E, n_max, 0, ALL_ROWS,
             BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_E=block_e, STORE_TABLE=True, num_warps=w, **pdl, **arch_kwargs(dev))
         dispatch_scatter_kernel[(n_blocks,)](ids, hist, offsets, sorted_token, sorted_pair, pair_row, n, E,
                                              TOP_K=top_k, BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p),
                                              BLOCK_E=block_e, num_warps=w, **pdl, **arch_kwargs(dev))
-    return counts, offsets, sorted_token, sorted_pair, pair_row, t_expert, t_start, t_end, n_tiles
+    _class_launches(counts, n, classes, class_buf)
+    return plan
 
 
-def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int, rows: tuple[int, int] | None = None):
+def _class_launches(counts: torch.Tensor, n_pairs: int, classes, class_buf: torch.Tensor) -> None:
+    """The class tile maps one launch each, into their views of ``class_buf``."""
+    for (block_m, rows), out in zip(classes, _class_views(class_buf, n_pairs, counts.shape[0], classes)):
+        launch_tile_map(counts, n_pairs, block_m, rows, out=out)
+
+
+def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int, rows: tuple[int, int] | None = None,
+                    out: tuple | None = None):
     """Tile map of another ``block_m`` from a plan's expert counts: (expert, start, end, n_tiles);
-    ``rows`` = (lo, hi): only the experts with lo < rows <= hi get tiles (``check_rows``)."""
+    ``rows`` = (lo, hi): only the experts with lo < rows <= hi get tiles (``check_rows``);
+    ``out``: those four tensors to write (else new ones)."""
     import triton
 
     from ..kernels.dispatch import dispatch_tiles_kernel
@@ -333,8 +406,9 @@ def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int, row
     lo, hi = rows if rows is not None else (0, ALL_ROWS)
     n_max = max_tiles(n_pairs, E, block_m, rows)
     i32 = dict(dtype=torch.int32, device=expert_counts.device)
-    t_expert, t_start, t_end = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32)
-    n_tiles = torch.empty(1, **i32)
+    if out is None:
+        out = torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(1, **i32)
+    t_expert, t_start, t_end, n_tiles = out
     if n_pairs == 0 or n_max == 0:
         return t_expert, t_start, t_end, n_tiles.zero_()
     block_e = max(16, _next_pow2(E))
@@ -350,32 +424,38 @@ def launch_tile_map(expert_counts: torch.Tensor, n_pairs: int, block_m: int, row
 # torch.library custom op
 
 
+def _classes_from_flat(flat: list[int]) -> list[tuple[int, tuple[int, int]]]:
+    return [(flat[i], (flat[i + 1], flat[i + 2])) for i in range(0, len(flat), 3)]
+
+
 @torch.library.custom_op("fp4moe::dispatch", mutates_args=())
 def _dispatch_op(topk_ids: torch.Tensor, n_experts: int, block_m: int, block_p: int, fused: bool,
-                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """block_p = 0: heuristic configuration."""
+                 num_warps: int, classes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor, torch.Tensor]:
+    """block_p = 0: heuristic configuration; ``classes``: (block_m, lo, hi) per class tile map."""
     T, k = topk_ids.shape
     n = T * k
+    cls = _classes_from_flat(classes)
     if n == 0:
-        return _empty_plan(topk_ids, n_experts, block_m, zero=True)
+        return _empty_plan(topk_ids, n_experts, block_m, cls, zero=True)
     cfg = DispatchConfig(block_p, fused, num_warps) if block_p else DispatchConfig.from_heuristic(n, n_experts)
-    return launch_dispatch(topk_ids.contiguous().view(-1), n_experts, k, block_m, cfg)
+    return launch_dispatch(topk_ids.contiguous().view(-1), n_experts, k, block_m, cfg, cls)
 
 
-def _empty_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, zero: bool = False):
+def _empty_plan(topk_ids: torch.Tensor, n_experts: int, block_m: int, classes=(), zero: bool = False):
     n = topk_ids.numel()
     n_max = max_tiles(n, n_experts, block_m)
     i32 = dict(dtype=torch.int32, device=topk_ids.device)
     make = torch.zeros if zero else torch.empty
     return (make(n_experts, **i32), make(n_experts + 1, **i32), torch.empty(n, **i32), torch.empty(n, **i32),
             torch.empty(n, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32), torch.empty(n_max, **i32),
-            make(1, **i32))
+            make(1, **i32), make(_class_size(n, n_experts, classes), **i32))
 
 
 @_dispatch_op.register_fake
-def _dispatch_fake(topk_ids, n_experts, block_m, block_p, fused, num_warps):
-    return _empty_plan(topk_ids, n_experts, block_m)
+def _dispatch_fake(topk_ids, n_experts, block_m, block_p, fused, num_warps, classes):
+    return _empty_plan(topk_ids, n_experts, block_m, _classes_from_flat(classes))
 
 
 @torch.library.custom_op("fp4moe::dispatch_tile_map", mutates_args=())
@@ -397,19 +477,38 @@ def _tile_map_fake(expert_counts, n_pairs, block_m, rows_lo, rows_hi):
 
 
 def dispatch(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, config: DispatchConfig | None = None,
-             check_ids: bool = False) -> DispatchPlan:
+             check_ids: bool = False, classes=()) -> DispatchPlan:
     """The dispatch plan of ``topk_ids`` [T, k] int32 for ``n_experts`` experts and row tiles of
     ``block_m`` (module docstring). Ids outside [0, n_experts) count as dropped (-1);
     ``check_ids=True`` instead raises on any id other than -1 outside that range (one host sync).
-    No host synchronisation otherwise."""
+    ``classes``: (block_m, (lo, hi)) pairs, a class tile map each in ``plan.class_tiles``, equal
+    to ``tile_map(plan, block_m, (lo, hi))`` and made with the plan (in its launch where the
+    place kernel runs, for up to two classes). No host synchronisation otherwise."""
     _check(topk_ids, n_experts, block_m, kernel=True)
     if check_ids:
         _check_values(topk_ids, n_experts)
+    classes = _check_classes(classes)
     pinned = (config.block_p, config.fused, config.num_warps) if config else (0, False, 0)
-    outs = _dispatch_op(topk_ids, n_experts, block_m, *pinned)
-    counts, offsets, st, sp, pr, te, ts, tend, nt = outs
+    outs = _dispatch_op(topk_ids, n_experts, block_m, *pinned, [v for m, (lo, hi) in classes for v in (m, lo, hi)])
+    counts, offsets, st, sp, pr, te, ts, tend, nt, class_buf = outs
+    views = _class_views(class_buf, topk_ids.numel(), n_experts, classes)
     return DispatchPlan(expert_counts=counts, expert_offsets=offsets, sorted_token=st, sorted_pair=sp, pair_row=pr,
-                        tiles=TileMap(te, ts, tend, nt, block_m), top_k=topk_ids.shape[1])
+                        tiles=TileMap(te, ts, tend, nt, block_m), top_k=topk_ids.shape[1],
+                        class_tiles=tuple(TileMap(*v, m, rows) for v, (m, rows) in zip(views, classes)))
+
+
+def _check_classes(classes) -> list[tuple[int, tuple[int, int]]]:
+    if not isinstance(classes, (tuple, list)):
+        raise TypeError(f"classes: expected a sequence of (block_m, (lo, hi)), got {type(classes).__name__}")
+    out = []
+    for c in classes:
+        if not (isinstance(c, (tuple, list)) and len(c) == 2):
+            raise ValueError(f"classes: expected (block_m, (lo, hi)) pairs, got {c!r}")
+        m, rows = c
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"classes: block_m expected a positive int, got {m!r}")
+        out.append((m, check_rows(tuple(rows) if isinstance(rows, list) else rows) or (0, ALL_ROWS)))
+    return out
 
 
 def tile_map(plan: DispatchPlan, block_m: int, rows: tuple[int, int] | None = None) -> TileMap:
@@ -423,7 +522,7 @@ def tile_map(plan: DispatchPlan, block_m: int, rows: tuple[int, int] | None = No
         raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
     lo, hi = check_rows(rows) or (0, ALL_ROWS)
     te, ts, tend, nt = _tile_map_op(plan.expert_counts, plan.sorted_pair.shape[0], block_m, lo, hi)
-    return TileMap(te, ts, tend, nt, block_m)
+    return TileMap(te, ts, tend, nt, block_m, None if rows is None else (lo, hi))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,9 +530,10 @@ def tile_map(plan: DispatchPlan, block_m: int, rows: tuple[int, int] | None = No
 
 
 def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, config: DispatchConfig,
-                     cc: int) -> list:
+                     cc: int, classes=()) -> list:
     """Cross-compilation requests (``fp4moe.plan.crosscompile``) for the launches ``dispatch``
-    makes with ``config``: the fused kernel, or the four block kernels."""
+    makes with ``config``: the fused kernel, or the block kernels (histogram, then place, or scan,
+    tiles and scatter). ``classes`` as ``dispatch``'s: the place kernel writes up to two."""
     from ..plan.crosscompile import CompileRequest
 
     from ..arch import get_arch
@@ -450,12 +550,24 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
                                {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p,
                                 "BLOCK_E": _block_e(n_experts), "PDL": pdl}, cc, w, 1)]
     block_e = max(16, _next_pow2(n_experts + 1))
+    histogram = CompileRequest("fp4moe.kernels.dispatch:dispatch_histogram_kernel",
+                               {"ids_ptr": i32, "hist_ptr": i32, "n_pairs": "i32", "E": "i32"},
+                               {"BLOCK_P": config.block_p, "BLOCK_Q": _block_q(config.block_p, block_e),
+                                "BLOCK_E": block_e, "PDL": pdl}, cc, w, 1)
+    if uses_place_kernel(n_pairs, config.block_p):
+        names = ("ids_ptr", "hist_ptr", "base_ptr", "counts_ptr", "offsets_ptr", "n_tiles_ptr", "tile_expert_ptr",
+                 "tile_start_ptr", "tile_end_ptr", "sorted_token_ptr", "sorted_pair_ptr", "pair_row_ptr")
+        cls = _check_classes(classes) if len(classes) <= 2 else []
+        heights = [m for m, _ in cls] + [1] * (2 - len(cls))
+        return [histogram, CompileRequest(
+            "fp4moe.kernels.dispatch:dispatch_place_kernel",
+            {**{n: i32 for n in names}, "n_pairs": "i32", "E": "i32", "n_blocks": "i32", "max_tiles": "i32",
+             "class_ptr": i32, **{f"{c}_{v}": "i32" for c in "ab" for v in ("lo", "hi", "max")}},
+            {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p, "BLOCK_Q": min(32, config.block_p),
+             "BLOCK_E": block_e, "BLOCK_B": PLACE_BLOCK_B, "BLOCK_I": _block_i(block_e), "N_CLASSES": len(cls),
+             "A_M": heights[0], "B_M": heights[1], "PDL": pdl}, cc, w, 1)]
     return [
-        CompileRequest("fp4moe.kernels.dispatch:dispatch_histogram_kernel",
-                       {"ids_ptr": i32, "hist_ptr": i32, "n_pairs": "i32", "E": "i32"},
-                       {"BLOCK_P": config.block_p, "BLOCK_Q": _block_q(config.block_p, block_e), "BLOCK_E": block_e,
-                        "PDL": pdl},
-                       cc, w, 1),
+        histogram,
         CompileRequest("fp4moe.kernels.dispatch:dispatch_scan_kernel",
                        {"hist_ptr": i32, "bucket_counts_ptr": i32, "n_blocks": "i32"},
                        {"BLOCK_E": block_e, "BLOCK_B": 16, "BLOCK_C": min(block_e, 64), "PDL": pdl}, cc, w, 1),

@@ -734,7 +734,10 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     if fused is None:
         fused = decode_fuses_swiglu(cfg, activation, interleaved, I, plan.max_tiles, x.device)
     if isinstance(cfg, MMAHeights):  # each class's tiles over the same plan (both maps before the GEMMs)
-        launches = [(c, replace(plan, tiles=tile_map(plan, c.block_m, rows)), rows) for c, rows in cfg.classes()]
+        maps = plan.class_tiles  # ``packed_dispatch``'s; a plan made without them gets a launch per class
+        if [(t.block_m, t.rows) for t in maps] != [(c.block_m, rows) for c, rows in cfg.classes()]:
+            maps = [tile_map(plan, c.block_m, rows) for c, rows in cfg.classes()]
+        launches = [(c, replace(plan, tiles=t), rows) for (c, rows), t in zip(cfg.classes(), maps)]
     else:
         launches = [(cfg, plan, None)]
     part = None
@@ -813,6 +816,14 @@ def _run_wgmma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activat
     return launch_combine(y_pair, topk_ids, k, shared_out, out, w13.shape[0])
 
 
+def packed_dispatch(topk_ids: torch.Tensor, n_experts: int, cfg):
+    """The dispatch plan for the packed kernels' configuration ``cfg``: for ``MMAHeights`` with
+    each class's tile map (``DispatchPlan.class_tiles``, written in the plan's own launch where the
+    dispatch places its pairs in one: two launches fewer before GEMM 1)."""
+    classes = tuple((c.block_m, rows) for c, rows in cfg.classes()) if isinstance(cfg, MMAHeights) else ()
+    return dispatch(topk_ids, n_experts, cfg.block_m, classes=classes)
+
+
 def _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias, w2_bias,
                 shared_out, out, fused=None, mode: str = "w4a16", input_global_scale=None):
     """The layer on the packed kernels of ``cfg`` (emulated W4A4: ``_w4a4_activations``)."""
@@ -879,7 +890,7 @@ def _forward_mma(x, w13, w2, packed, topk_ids, topk_weights, k, activation, inte
         return fp4_moe_reference(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
                                  w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out, mode=mode,
                                  input_global_scale=input_global_scale)
-    plan = dispatch(topk_ids, E, cfg.block_m)
+    plan = packed_dispatch(topk_ids, E, cfg)
     return _run_packed(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activation, interleaved, w13_bias,
                        w2_bias, shared_out, out, fused, mode, input_global_scale)
 
@@ -970,7 +981,7 @@ def _probe(device, dtype, fmt, activation, interleaved, mode, configs, *, per_ro
     if mma_config is not None:  # the packed-layout path, with the caller's configuration
         packed = (mma_packed_experts(p.w13), mma_packed_experts(p.w2))
         out = _run_packed(p.x, p.w13, p.w2, packed, p.topk_ids, p.topk_weights,
-                          dispatch(p.topk_ids, E, mma_config.block_m), mma_config, k, activation, interleaved,
+                          packed_dispatch(p.topk_ids, E, mma_config), mma_config, k, activation, interleaved,
                           p.w13_bias, p.w2_bias, None, out, fused, mode)
     else:
         out = _run(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, dispatch(p.topk_ids, E, configs[0].block_m), configs,
