@@ -98,6 +98,14 @@ def test_moe_config_choice():
     assert mma_moe_gemm2_config(mma_moe_config(8 / 256, 256)) == MMAConfig(rb=2, warps=4, kh=2, block_m=8, split_k=2)
     for rows in (16 / 256, 3.0, 8.0):
         assert mma_moe_gemm2_config(mma_moe_config(rows, 256)) == mma_moe_config(rows, 256)
+    # GEMM 2 of MMAHeights' short-tile class: 128 weight rows per program; the tall class as GEMM 1's
+    from fp4moe.ops.moe import MMAHeights, mma_moe_layer_config
+
+    heights = mma_moe_layer_config(8.0, 256)
+    assert isinstance(heights, MMAHeights)
+    (small, low), (large, high) = heights.classes()
+    assert mma_moe_gemm2_config(small, low) == MMAConfig(rb=2, warps=4, kh=4, block_m=8, split_k=1) != small
+    assert mma_moe_gemm2_config(large, high) == large
     # GEMM 2's pair rows: bf16 for bf16 outputs where K is not split, else fp32
     from fp4moe.ops import moe as moe_ops
 

@@ -187,7 +187,7 @@ def test_decode_heights_planned_as_two_launches_per_gemm():
     class's configuration and its expected share of the rows (binomial under uniform routing:
     ~59% of the experts hold at most 8 rows); the classes' rows add up to the layer's pairs."""
     from fp4moe.models import get_model
-    from fp4moe.ops.moe import mma_moe_layer_config
+    from fp4moe.ops.moe import mma_moe_gemm2_config, mma_moe_layer_config
     from fp4moe.plan.cli import plan_model
 
     heights = mma_moe_layer_config(8.0)
@@ -198,9 +198,14 @@ def test_decode_heights_planned_as_two_launches_per_gemm():
     assert [name for name, _ in at256] == [
         "experts.w13 (gate+up), experts of <= 8 rows", "experts.w13 (gate+up), experts of > 8 rows",
         "experts.w2 (down), experts of <= 8 rows", "experts.w2 (down), experts of > 8 rows"]
+    (_, low), (_, high) = heights.classes()
     for i in (0, 2):
         small, large = at256[i][1], at256[i + 1][1]
-        assert small.chosen.config == heights.small and large.chosen.config == heights.large
+        if i == 0:
+            assert small.chosen.config == heights.small and large.chosen.config == heights.large
+        else:  # GEMM 2: the runtime's configuration of each class (the short tiles' with two row blocks)
+            assert small.chosen.config == mma_moe_gemm2_config(heights.small, low) != heights.small
+            assert large.chosen.config == mma_moe_gemm2_config(heights.large, high) == heights.large
         assert small.problem.pairs + large.problem.pairs == 256 * TOP_K
         assert 145 <= small.problem.active_experts <= 160 and 95 <= large.problem.active_experts <= 110
         assert small.problem.rows == (0, 8) and "experts of 0 < rows <= 8" in str(small.problem)

@@ -563,9 +563,23 @@ def _few_pairs_split():
     return MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=FEW_PAIRS_SPLIT)
 
 
-def mma_moe_gemm2_config(cfg):
+#: 16-row blocks per warp of GEMM 2's launch for the short-tile class of ``MMAHeights`` (GEMM 1's
+#: configuration there has one: ``mma_moe_gemm2_config``)
+MMA_HEIGHTS_GEMM2_SMALL_RB = 2
+
+
+def mma_moe_gemm2_config(cfg, rows: tuple[int, int] | None = None):
     """GEMM 2's configuration on the decode path where the layer's (``mma_moe_layer_config``, GEMM
-    1's) is ``cfg``: the same, except that the few-pairs split takes two 16-row blocks per warp in
+    1's) is ``cfg``, or, with ``rows``, that of the ``MMAHeights`` class of those rows.
+
+    The short-tile class of ``MMAHeights`` (rows (0, h]) takes ``MMA_HEIGHTS_GEMM2_SMALL_RB`` row
+    blocks per warp: 128 weight rows per program, so each program's 8 rows of h are read for twice
+    the weights. H200, GLM-5 experts, that class's GEMM 2 alone, interleaved against the 64-row
+    programs (scripts/try_moe_class_configs.py --class 0, benchmarks/raw/try-moe-class-configs-c0-h200.json):
+    320.3 -> 307.4 us at 256 tokens, 433.7 -> 418.9 at 192; GEMM 1 with 128 rows was slower (520.5
+    -> 541.1, 709.8 -> 724.6), and so were 256-row programs in the 16-row class's GEMMs.
+
+    Otherwise the same as ``cfg``, except that the few-pairs split takes two 16-row blocks per warp in
     GEMM 2 (128 weight rows per program: at one token 768 programs of 8 K steps, within one wave,
     against 1,536 in 1.2 waves; rows add their K steps in the same order, so the output is bitwise
     the same). H200, GLM-5 layer at one token, interleaved in one process (scripts/try_moe_layer_ab.py,
@@ -574,6 +588,8 @@ def mma_moe_gemm2_config(cfg):
     token 10% slower (54.0 -> 59.2-59.5)."""
     if cfg == _few_pairs_split():
         return replace(cfg, rb=FEW_PAIRS_GEMM2[0], split_k=FEW_PAIRS_GEMM2[1])
+    if rows is not None and rows[0] == 0:
+        return replace(cfg, rb=MMA_HEIGHTS_GEMM2_SMALL_RB)
     return cfg
 
 
@@ -758,8 +774,8 @@ def _run_mma(x, w13, w2, packed, topk_ids, topk_weights, plan, cfg, k, activatio
     pair_rows = mma_pair_rows(mma_moe_gemm2_config(launches[0][0]), p2.words.shape[1],
                               "bf16" if out.dtype == torch.bfloat16 else "fp16")
     dtype = torch.bfloat16 if pair_rows == "bf16" else torch.float32
-    for i, (c, pl, _) in enumerate(launches):
-        part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c), gather=False, plan_ready=True, out=part,
+    for i, (c, pl, rows) in enumerate(launches):
+        part = launch_grouped_mma(h, p2, H, pl, mma_moe_gemm2_config(c, rows), gather=False, plan_ready=True, out=part,
                                   independent=_overlaps(launches, i), dtype=dtype)
     return launch_partials_combine(part, w2, plan, topk_ids, _pair_weights(topk_weights), shared_out, w2_bias, out)
 

@@ -1325,11 +1325,12 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         self.check_problem(problem)
         self._check_mode(problem, arch)
         cfg = mma_moe_layer_config(problem.T * problem.top_k / problem.E, problem.E)
+        rows = None
         if isinstance(cfg, MMAHeights):
-            chosen = [c for c, rows in cfg.classes() if rows == problem.rows]
-            cfg = chosen[0] if chosen else cfg.large
+            chosen = [(c, rows) for c, rows in cfg.classes() if rows == problem.rows]
+            cfg, rows = chosen[0] if chosen else (cfg.large, None)
         if problem.gemm == 2:
-            cfg = mma_moe_gemm2_config(cfg)
+            cfg = mma_moe_gemm2_config(cfg, rows)
         if problem.block_m in (8, 16) and cfg.block_m != problem.block_m:
             cfg = dataclasses.replace(cfg, block_m=problem.block_m)
         return cfg
