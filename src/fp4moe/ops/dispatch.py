@@ -272,13 +272,14 @@ def dispatch_reference(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> 
 # launcher
 
 
-#: most tiles one program of the tile-map kernel writes
+#: most tile-map entries per program of the tile-map kernels' grids (``_block_i``)
 TILES_PER_PROGRAM = 128
 
 
 def _block_i(block_e: int) -> int:
-    """Tiles per program of the tile-map kernel: [block_i, block_e] comparisons in registers, at
-    most ``TILES_PER_PROGRAM``."""
+    """Tile-map entries per program: the grid of the tile-map kernel is cdiv(max_tiles, block_i),
+    and each program stores its share of the -1 entries block_i at a time (``_write_tiles``); at
+    most ``TILES_PER_PROGRAM``, fewer for wide expert vectors (BLOCK_E registers per program)."""
     return max(16, min(TILES_PER_PROGRAM, 16384 // block_e))
 
 
