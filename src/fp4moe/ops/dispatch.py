@@ -1,8 +1,8 @@
 """MoE dispatch plan: token-expert pairs sorted by expert, per-expert offsets, tile -> expert map.
 
 Layers: ``kernels.dispatch`` (@triton.jit bodies) -> ``launch_dispatch`` (grids; one launch when
-small, two when the pair blocks are few, four when many) -> ``fp4moe::dispatch`` (torch.library custom op with a fake) ->
-``dispatch`` (public). ``dispatch_reference`` defines the result; the kernels equal it exactly.
+small, two when the pair blocks are few, four when many) -> ``fp4moe::dispatch`` (torch.library
+custom op with a fake) -> ``dispatch`` (public). ``dispatch_reference`` defines the result; the kernels equal it exactly.
 
 Definitions, for ``topk_ids`` [T, k] and pairs p = t * k + slot:
 
@@ -371,9 +371,8 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
                 pair_row, n, E, n_blocks, n_max, class_buf, *args, TOP_K=top_k, BLOCK_M=block_m,
                 BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p), BLOCK_E=block_e, BLOCK_B=PLACE_BLOCK_B,
                 BLOCK_I=block_i, N_CLASSES=len(cls), A_M=cm[0], B_M=cm[1], num_warps=w, **pdl, **arch_kwargs(dev))
-            if cls:
-                return plan
-            _class_launches(counts, n, classes, class_buf)
+            if not cls:  # more than two classes: a launch each
+                _class_launches(counts, n, classes, class_buf)
             return plan
         block_c = min(block_e, 64)
         dispatch_scan_kernel[(block_e // block_c,)](hist, bucket_counts, n_blocks, BLOCK_E=block_e, BLOCK_B=16,
