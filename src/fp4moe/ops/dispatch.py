@@ -359,19 +359,14 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
         block_i = _block_i(block_e)
         if uses_place_kernel(n, config.block_p):
             base = torch.empty((n_blocks, block_e), **i32)
-            cls = list(classes) if len(classes) <= 2 else []
-            args, cm = [], []
-            for (m, (lo, hi)), (_, n_cls) in zip(cls, class_layout(n, E, cls)):
-                args += [lo, hi, n_cls]
-                cm.append(m)
-            args += [0, 0, 0] * (2 - len(cls))
-            cm += [1] * (2 - len(cls))
+            n_cls, args, heights = _place_classes(n, E, classes)
             dispatch_place_kernel[(n_blocks,)](
                 ids, hist, base, counts, offsets, n_tiles, t_expert, t_start, t_end, sorted_token, sorted_pair,
                 pair_row, n, E, n_blocks, n_max, class_buf, *args, TOP_K=top_k, BLOCK_M=block_m,
                 BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p), BLOCK_E=block_e, BLOCK_B=PLACE_BLOCK_B,
-                BLOCK_I=block_i, N_CLASSES=len(cls), A_M=cm[0], B_M=cm[1], num_warps=w, **pdl, **arch_kwargs(dev))
-            if not cls:  # more than two classes: a launch each
+                BLOCK_I=block_i, N_CLASSES=n_cls, A_M=heights[0], B_M=heights[1], num_warps=w, **pdl,
+                **arch_kwargs(dev))
+            if n_cls < len(classes):  # more than the place kernel writes: a launch each
                 _class_launches(counts, n, classes, class_buf)
             return plan
         block_c = min(block_e, 64)
@@ -385,6 +380,23 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
                                              BLOCK_E=block_e, num_warps=w, **pdl, **arch_kwargs(dev))
     _class_launches(counts, n, classes, class_buf)
     return plan
+
+
+#: class tile maps the place kernel writes in its launch (classes a and b)
+PLACE_MAX_CLASSES = 2
+
+
+def _place_classes(n_pairs: int, n_experts: int, classes) -> tuple[int, list[int], list[int]]:
+    """The place kernel's class arguments, for the launcher and the planner: (N_CLASSES, [a_lo,
+    a_hi, a_max, b_lo, b_hi, b_max], [A_M, B_M]); none when there are more classes than it writes
+    (each then gets a launch of its own), unused slots zero with tile height 1."""
+    written = list(classes) if len(classes) <= PLACE_MAX_CLASSES else []
+    args, heights = [], []
+    for (block_m, (lo, hi)), (_, n_max) in zip(written, class_layout(n_pairs, n_experts, written)):
+        args += [lo, hi, n_max]
+        heights.append(block_m)
+    unused = PLACE_MAX_CLASSES - len(written)
+    return len(written), args + [0, 0, 0] * unused, heights + [1] * unused
 
 
 def _class_launches(counts: torch.Tensor, n_pairs: int, classes, class_buf: torch.Tensor) -> None:
@@ -557,14 +569,13 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
     if uses_place_kernel(n_pairs, config.block_p):
         names = ("ids_ptr", "hist_ptr", "base_ptr", "counts_ptr", "offsets_ptr", "n_tiles_ptr", "tile_expert_ptr",
                  "tile_start_ptr", "tile_end_ptr", "sorted_token_ptr", "sorted_pair_ptr", "pair_row_ptr")
-        cls = _check_classes(classes) if len(classes) <= 2 else []
-        heights = [m for m, _ in cls] + [1] * (2 - len(cls))
+        n_cls, _, heights = _place_classes(n_pairs, n_experts, _check_classes(classes))
         return [histogram, CompileRequest(
             "fp4moe.kernels.dispatch:dispatch_place_kernel",
             {**{n: i32 for n in names}, "n_pairs": "i32", "E": "i32", "n_blocks": "i32", "max_tiles": "i32",
              "class_ptr": i32, **{f"{c}_{v}": "i32" for c in "ab" for v in ("lo", "hi", "max")}},
             {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p, "BLOCK_Q": min(32, config.block_p),
-             "BLOCK_E": block_e, "BLOCK_B": PLACE_BLOCK_B, "BLOCK_I": _block_i(block_e), "N_CLASSES": len(cls),
+             "BLOCK_E": block_e, "BLOCK_B": PLACE_BLOCK_B, "BLOCK_I": _block_i(block_e), "N_CLASSES": n_cls,
              "A_M": heights[0], "B_M": heights[1], "PDL": pdl}, cc, w, 1)]
     return [
         histogram,
