@@ -1336,8 +1336,7 @@ class MmaMoESpec(_MmaSpec, KernelSpec[MoEGemmProblem, Any]):
         return cfg
 
     def compile_request(self, config, problem: MoEGemmProblem, arch: Arch) -> CompileRequest:
-        from ..ops.mma_layout import mma_compile_request
-        from ..ops.mma_layout import KCHUNK
+        from ..ops.mma_layout import KCHUNK, mma_compile_request
         from ..ops.moe import MOE_WORD_ORDER, mma_pair_rows, overlaps_previous_class
 
         # GEMM 1 with its SiLU epilogue in the kernel (``ops.moe.fuses_swiglu``; gate-then-up weights,
