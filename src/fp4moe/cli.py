@@ -272,7 +272,10 @@ def _demo_e2e(family: str, size: str, fmt: str, new_tokens: int, timing: bool, w
                       f"{row['bf16_tokens_per_s']:,.0f}", f"{row['fp4moe_tokens_per_s']:,.0f}", f"{row['speedup']:.2f}x")
         console.print(t)
         console.print(f"generate (whole model): bf16 {r.timing['generate_tokens_per_s_bf16']:,.1f} tok/s, fp4moe "
-                      f"{r.timing['generate_tokens_per_s_fp4moe']:,.1f} tok/s")
+                      f"{r.timing['generate_tokens_per_s_fp4moe']:,.1f} tok/s (model.generate); with each decode step "
+                      f"one CUDA graph (fp4moe.integrations.transformers.generate): bf16 "
+                      f"{r.timing['generate_graphs_tokens_per_s_bf16']:,.1f} tok/s, fp4moe "
+                      f"{r.timing['generate_graphs_tokens_per_s_fp4moe']:,.1f} tok/s")
     if r.device == "cpu":
         console.print("[dim]CPU: fp4moe's kernels ran through the Triton interpreter. Random weights give nearly flat "
                       "logits, so a small error flips argmaxes; the logits error is the measure.[/dim]")

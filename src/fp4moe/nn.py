@@ -6,15 +6,26 @@ import torch
 from torch import nn
 
 from .formats import FP4Format, get_format
+from .graphs import CallGraphs
 from .ops.linear import Mode, fp4_linear, global_scale_tensor
 from .quantize import FP4Tensor, quantize, quantize_stacked
 
 __all__ = ["FP4Linear", "FP4MoE", "GatedMLP"]
 
 
+def _call_graphs(module: nn.Module) -> CallGraphs:
+    """The module's graphs of its own calls (``fp4moe.graphs``), made on first use."""
+    graphs = module.__dict__.get("_graphs")
+    if graphs is None:
+        graphs = module.__dict__["_graphs"] = CallGraphs()
+    return graphs
+
+
 def _apply_keeping_dtypes(module: nn.Module, names: tuple[str, ...], fn, recurse: bool) -> None:
     """``nn.Module._apply`` (``.to()``, ``.cuda()``, ``.half()``), except that the buffers ``names``
-    (FP4 bytes, block scales, fp32 globals) keep their dtypes and only follow the device."""
+    (FP4 bytes, block scales, fp32 globals) keep their dtypes and only follow the device; the
+    module's call graphs are dropped (they read the old tensors)."""
+    _call_graphs(module).clear()
     kept = {name: module._buffers[name] for name in names if module._buffers.get(name) is not None}
     nn.Module._apply(module, fn, recurse)
     for name, old in kept.items():
@@ -108,8 +119,19 @@ class FP4Linear(nn.Module):
         return cls.from_fp4(w, bias, mode=mode)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + b``; a repeated shape replays a CUDA graph of the call (``fp4moe.graphs``)."""
+        graphs = _call_graphs(self)
+        if (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] == self.in_features
+                and graphs.eligible(self, x, x.numel() // max(1, self.in_features))):
+            return graphs.run(self, self._forward_graphable, x, (self.mode, self.fmt))[0]
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return fp4_linear(x, self.weight_fp4, bias, mode=self.mode, input_global_scale=self.input_scale)
+
+    def _forward_graphable(self, x: torch.Tensor):
+        return self._forward(x), None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
@@ -254,9 +276,9 @@ class FP4MoE(nn.Module):
         return self.shared_down(torch.nn.functional.silu(g.float()).mul(u.float()).to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .ops.moe import moe_experts
-        from .ops.routing import route
-
+        """The block on x [..., H]; a repeated token count replays a CUDA graph of the call
+        (``fp4moe.graphs``), with the same numerics and ``last_stats`` (then the graph's statistics
+        tensors, updated in place by later calls of that count)."""
         H = self._fp4["w2"][0][1]
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"x: expected [..., {H}] (hidden size {H}), got "
@@ -265,15 +287,35 @@ class FP4MoE(nn.Module):
             raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
+        graphs = _call_graphs(self)
+        # check_finite=True reads a flag back on the host every call: no graph
+        if self.check_finite is not True and graphs.eligible(self, x2, x2.shape[0]):
+            key = (self.routing, self.k0, self.check_finite, self.mode, self.activation, self.interleaved,
+                   self.router_dtype)
+            y, self.last_stats = graphs.run(self, self._forward_2d, x2, key)
+        else:
+            y, self.last_stats = self._forward_2d(x2)
+        return y.reshape(*lead, y.shape[-1])
+
+    def route(self, x2: torch.Tensor):
+        """The block's routing of x [T, H]: router logits -> ``fp4moe.ops.routing.route`` (a
+        ``RoutingResult``: top-k ids and weights, OEA statistics)."""
+        from .ops.routing import route
+
         rd = self.router_dtype or x2.dtype
         logits = torch.nn.functional.linear(x2.to(rd), self.router_weight.to(rd),
                                             None if self.router_bias is None else self.router_bias.to(rd))
-        r = route(logits, self.routing, self.selection_bias, k0=self.k0, check_finite=self.check_finite)
-        self.last_stats = r.stats
+        return route(logits, self.routing, self.selection_bias, k0=self.k0, check_finite=self.check_finite)
+
+    def _forward_2d(self, x2: torch.Tensor):
+        """Router -> routing -> experts (+ shared expert) on x [T, H]: (y, OEA statistics or None)."""
+        from .ops.moe import moe_experts
+
+        r = self.route(x2)
         y = moe_experts(x2, self.w13, self.w2, r.topk_ids, r.topk_weights, activation=self.activation,
                         interleaved=self.interleaved, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
                         shared_out=self.shared(x2), mode=self.mode)
-        return y.reshape(*lead, y.shape[-1])
+        return y, r.stats
 
 
 class GatedMLP(nn.Module):

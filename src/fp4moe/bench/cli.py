@@ -199,3 +199,104 @@ def moe(
     name = f"moe-{model}-tp{tp}-{mode}"
     json_path, md_path = write_results(name, env, rows, out, ceilings=ceilings)
     console.print(f"wrote {json_path} and {md_path}")
+
+
+def _calls_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="FP4MoE: plain calls against the same calls in a CUDA graph (µs per call)")
+    for col in ("model", "M", "bound", "graph", "plain", "plain / graph", "host", "no graphs", "no graphs / graph",
+                "error"):
+        table.add_column(col, justify="left" if col in ("model", "error") else "right")
+    for r in rows:
+        table.add_row(r["model"], str(r["M"]), _f(r["bound_us"], ".1f"), _f(r["graph_us"], ".1f"),
+                      _f(r["plain_us"], ".1f"), _f(r["plain_over_graph"], ".2f"), _f(r["host_us"], ".1f"),
+                      _f(r["plain_no_graphs_us"], ".1f"), _f(r["no_graphs_over_graph"], ".2f"),
+                      one_line(r.get("error") or "", 60))
+    return table
+
+
+@bench_app.command()
+def calls(
+    models: Annotated[str, typer.Option("--models", help="Model presets, e.g. glm-5,qwen3-30b-a3b.")] = "glm-5,qwen3-30b-a3b",
+    m: Annotated[Optional[str], typer.Option("--m", help="Token counts, e.g. 1,4,16,64,256.")] = None,
+    out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
+) -> None:
+    """Time plain calls of the public FP4MoE module against the same calls in a CUDA graph."""
+    from ..models import get_model
+    from .calls import DEFAULT_MS as CALL_MS
+    from .calls import run_calls_bench
+
+    names = tuple(n.strip() for n in models.split(",") if n.strip())
+    for name in names:
+        try:
+            get_model(name)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--models") from None
+    ms = parse_ms(m) if m is not None else CALL_MS
+
+    import torch
+
+    if not torch.cuda.is_available():
+        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
+        raise typer.Exit(2)
+    console = Console() if Console().is_terminal else Console(width=160)
+    env = environment()
+    ceilings = bench_ceilings()
+    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s")
+    rows = run_calls_bench(names, ms, ceilings=ceilings, console=console)
+    json_path, md_path = write_results("calls", env, rows, out, ceilings=ceilings)
+    console.print(_calls_table(rows))
+    console.print(f"wrote {json_path} and {md_path}")
+
+
+def _model_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    table = Table(title="decode step: fp4moe against transformers bf16 on the same model")
+    for col in ("weights", "batch", "graph µs", "plain µs", "tokens/s", "bound µs", "of bound", "moe", "attention",
+                "dense", "other", "error"):
+        table.add_column(col, justify="left" if col in ("weights", "error") else "right")
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        table.add_row(r["weights"], str(r["batch"]), _f(r["graph_step_us"], ".0f"), _f(r["plain_step_us"], ".0f"),
+                      _f(r["tokens_per_s"], ",.1f"), _f(r["bound_us"], ".0f"), _f(r["frac_bound"], ".0%"),
+                      _f(r["moe_us"], ".0f"), _f(r["attention_us"], ".0f"), _f(r["dense_us"], ".0f"),
+                      _f(r["other_us"], ".0f"), one_line(r.get("error") or r.get("graph_error") or "", 50))
+    return table
+
+
+@bench_app.command("model")
+def model_(
+    model: Annotated[str, typer.Option(help="Model preset: glm-5, deepseek-v3 or qwen3-30b-a3b.")] = "glm-5",
+    layers: Annotated[Optional[int], typer.Option(min=2, help="Layers (the first dense); default: as many as let "
+                                                  "the bf16 model fit the GPU.")] = None,
+    batches: Annotated[str, typer.Option(help="Decode batch sizes, e.g. 1,16,64.")] = "1,16,64",
+    steps: Annotated[int, typer.Option(min=1, help="Decode steps timed per batch.")] = 32,
+    prefill: Annotated[int, typer.Option(min=0, help="Prefill tokens of the prefill row (0: none).")] = 2048,
+    out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
+) -> None:
+    """Decode steps (and a prefill) of a random model with a real model's shapes: fp4moe against bf16."""
+    from .model import MODEL_TYPES, run_model_bench
+
+    if model not in MODEL_TYPES:
+        raise typer.BadParameter(f"expected one of {', '.join(MODEL_TYPES)}, got {model!r}", param_hint="--model")
+    batch_list = parse_ms(batches)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
+        raise typer.Exit(2)
+    console = Console() if Console().is_terminal else Console(width=170)
+    env = environment()
+    ceilings = bench_ceilings()
+    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s")
+    rows, facts = run_model_bench(model, layers=layers, batches=batch_list, steps=steps, prefill=prefill,
+                                  ceilings=ceilings, console=console)
+    json_path, md_path = write_results(f"model-{model}", env, [{"kind": "model", **facts}, *rows], out,
+                                       ceilings=ceilings)
+    console.print(_model_table(rows))
+    for r in rows:
+        if r["kind"] == "comparison":
+            console.print(f"batch {r['batch']}: fp4moe {r['fp4moe_tokens_per_s']:,.1f} tokens/s, bf16 "
+                          f"{r['bf16_tokens_per_s']:,.1f}: {r['speedup']:.2f}x (bounds {_f(r['bound_ratio'], '.2f')}x); "
+                          f"fp4moe step {_f(r['fp4moe_step_over_bound'], '.2f')}x its bound")
+    console.print(f"wrote {json_path} and {md_path}")

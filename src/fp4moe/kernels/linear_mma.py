@@ -18,6 +18,8 @@ Computes the transposed product (weights are the MMA's M side, tokens its N side
 Triton kernel, with the same split-K partial-sum convention (``splitk_reduce_kernel``).
 """
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -101,6 +103,7 @@ DECODE_ASM = _DECODE_ASM
 DECODE_ASMS = {"nibble": _DECODE_ASM, "rotation": _DECODE_ASM_ROTATION}
 
 
+@functools.cache  # launch arguments: built once per shape, not per call
 def decode_asm(order: str) -> str:
     """The ``DECODE`` constexpr of the decode kernels for words stored in bit order ``order``."""
     if order not in DECODE_ASMS:
@@ -108,6 +111,7 @@ def decode_asm(order: str) -> str:
     return DECODE_ASMS[order]
 
 
+@functools.cache  # launch arguments: built once per shape, not per call
 def scale_asm(mxfp4: bool) -> str:
     mul, add = MXFP4_SCALE_MAD if mxfp4 else NVFP4_SCALE_MAD
     return _SCALE_ASM.replace("SCALE_MUL", str(mul)).replace("SCALE_ADD", hex(add))
@@ -287,6 +291,7 @@ def _x_part(x_slot, x_ptrs, x_k, K_X, c0, j, XK: gl.constexpr, X_STAGES: gl.cons
         return gl.load(x_ptrs + c0 * 64 + j * XK, mask=x_k + c0 * 64 + j * XK < K_X, other=0.0)
 
 
+@functools.cache  # launch arguments: built once per shape, not per call
 def x_layout(block_m: int, kh: int, warps: int) -> gl.DistributedLinearLayout:
     """x tile [block_m, 64 kh] in stored K order: lane 4g + t reads token g (+ 8 per register
     repeat) and the 16 consecutive K at 16t of each 64-K chunk (two 16-byte loads); replicated
@@ -515,6 +520,7 @@ def fp4_linear_mma_kernel(
             _pdl_wait()
 
 
+@functools.cache  # launch arguments: built once per shape, not per call
 def x_layout_kw(block_m: int, kh: int, warps: int, kw: int) -> gl.DistributedLinearLayout:
     """``x_layout`` with a leading K-slice dimension: x tile [kw, block_m, 64 kh], slice s read by
     the warps of K group s (replicated over the ``warps`` along N)."""

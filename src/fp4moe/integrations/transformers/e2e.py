@@ -299,13 +299,29 @@ def run_e2e(family: str = "qwen3_moe", size: Size = "tiny", *, workdir: str | Pa
 
 def _timing(model, fp4, family: str, ids: torch.Tensor, new_tokens: int, tokens: tuple[int, ...],
             device: torch.device) -> dict[str, Any]:
+    from .decode import generate as graph_generate
+
     out: dict[str, Any] = {"note": "median of 20 after a warm-up; MoE layers: all MoE blocks of the model, one "
-                                   "forward each, unit-RMS random inputs"}
+                                   "forward each, unit-RMS random inputs; generate: model.generate as users call it "
+                                   "(fp4moe's modules replay graphs of their own calls), generate_graphs: "
+                                   "fp4moe.integrations.transformers.generate (each decode step one CUDA graph; "
+                                   "transformers' experts on grouped_mm)"}
     gen_tokens = ids.shape[0] * new_tokens
     for name, m in (("bf16", model), ("fp4moe", fp4)):
         _time_generate(m, ids, new_tokens)  # warm-up: compilation, guard probes
         _, secs = _time_generate(m, ids, new_tokens)
         out[f"generate_tokens_per_s_{name}"] = gen_tokens / secs
+        experts = getattr(m.config, "_experts_implementation", None)
+        m.config._experts_implementation = "grouped_mm"  # transformers' capturable experts (bf16)
+        try:
+            graph_generate(m, ids, new_tokens)  # warm-up and capture
+            _sync(device)
+            t = time.perf_counter()
+            graph_generate(m, ids, new_tokens)
+            _sync(device)
+            out[f"generate_graphs_tokens_per_s_{name}"] = gen_tokens / (time.perf_counter() - t)
+        finally:
+            m.config._experts_implementation = experts
     hidden = model.config.hidden_size
     rows = []
     for t in tokens:

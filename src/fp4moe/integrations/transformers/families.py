@@ -9,8 +9,8 @@ model_type         block class (attribute)     routing, as transformers computes
                    (``mlp``)                   over all experts; top-k; divided by their sum when
                                                ``norm_topk_prob``; weights cast to x's dtype
 ``deepseek_v3``,   ``DeepseekV3MoE``,          logits in fp32 (x and gate.weight cast); s = sigmoid;
-``glm4_moe``       ``Glm4MoeMoE`` (``mlp``)    choose with s + ``gate.e_score_correction_bias``: group
-                                               score = sum of a group's top-2, keep ``topk_group`` of
+``glm4_moe``,      ``Glm4MoeMoE``,             choose with s + ``gate.e_score_correction_bias``: group
+``glm_moe_dsa``    ``GlmMoeDsaMoE`` (``mlp``)  score = sum of a group's top-2, keep ``topk_group`` of
                                                ``n_group`` groups, top-k inside; weights = unbiased s,
                                                / (sum + 1e-20) when ``norm_topk_prob``, x
                                                ``routed_scaling_factor`` (fp32); ``shared_experts`` (a
@@ -101,6 +101,8 @@ FAMILIES: dict[str, MoEFamily] = {
                            intermediate=lambda c: int(c.moe_intermediate_size)),
     "deepseek_v3": _deepseek_like("deepseek_v3", "DeepseekV3MoE"),
     "glm4_moe": _deepseek_like("glm4_moe", "Glm4MoeMoE"),
+    # GLM-5 (``GlmMoeDsaMoE``: the router, experts and shared expert of DeepSeek-V3, read the same way)
+    "glm_moe_dsa": _deepseek_like("glm_moe_dsa", "GlmMoeDsaMoE"),
     "gpt_oss": MoEFamily("gpt_oss", ("GptOssMLP",), router="router", router_bias=True, selection_bias=None,
                          shared=None, activation="gpt_oss", router_fp32=False, returns_tuple=True, routing=_gpt_oss,
                          n_experts=lambda c: int(c.num_local_experts), intermediate=lambda c: int(c.intermediate_size)),
