@@ -219,7 +219,7 @@ def test_unquantized_model_and_model_without_moe_are_refused(qwen_checkpoint, tm
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "llama")
     write_checkpoint(tmp_path / "llama", tmp_path / "llama_q", progress=False)
     with pytest.raises(ValueError, match="model_type 'llama' has no MoE block fp4moe knows; supported model types: "
-                                         "qwen3_moe, deepseek_v3, glm4_moe, gpt_oss"):
+                                         "qwen3_moe, deepseek_v3, glm4_moe, glm_moe_dsa, gpt_oss"):
         load_fp4_model(tmp_path / "llama_q", device="cpu")
 
 

@@ -70,7 +70,7 @@ def quantize_decision(name: str, dtype: str, shape: Sequence[int], exclude: Sequ
     :data:`LINEAR_LEAVES`: attention and MLP projections, dense, shared and routed experts) whose
     K (columns) is a multiple of 16, unless a pattern in ``exclude`` matches its module. Never:
     biases and other non-weights, embeddings, norms, ``lm_head``, routers (``mlp.gate``,
-    ``router``, ``*_gate``).
+    ``router``, ``*_gate``), the sparse-attention indexer of GLM-5 / DeepSeek-V3.2 (``*.indexer.*``).
     """
     if not name.endswith(".weight"):
         return Decision(False, "not a weight")
@@ -88,6 +88,8 @@ def quantize_decision(name: str, dtype: str, shape: Sequence[int], exclude: Sequ
         return Decision(False, "norm")
     if leaf in ("gate", "router") or leaf.endswith("_gate"):
         return Decision(False, "router")
+    if ".indexer." in f".{module}.":  # DeepSeek sparse attention (GLM-5): its code casts inputs to the weights' dtype
+        return Decision(False, "sparse-attention indexer")
     pattern = match_exclude(exclude, module)
     if pattern is not None:
         return Decision(False, f"excluded by {pattern!r}")
