@@ -202,6 +202,45 @@ def test_cli_without_gpu(monkeypatch):
     assert NO_GPU in result.output
 
 
+@pytest.mark.parametrize("args, message", [
+    (["calls", "--models", "glm-6"], "glm-6"),
+    (["calls", "--m", "0"], "positive integers"),
+    (["model", "--model", "gpt-oss-120b"], "gpt-oss-120b"),
+    (["model", "--batches", "1,x"], "positive integers"),
+    (["model", "--layers", "0"], "greater than or equal to 1"),
+])
+def test_calls_and_model_reject_bad_options(args, message):
+    result = runner.invoke(bench_app, args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("command", [["calls"], ["model"]])
+def test_calls_and_model_without_gpu(monkeypatch, command):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = runner.invoke(bench_app, command)
+    assert result.exit_code == 2 and NO_GPU in result.output
+
+
+def test_model_bench_sizes_its_layers_to_the_memory():
+    """One dense layer and as many MoE layers as fit beside the headroom (bf16 sizes on the meta device),
+    never more than the model has; too little memory is a clear error."""
+    pytest.importorskip("transformers")
+    from fp4moe.bench.model import auto_layers, bench_config, bf16_step_bytes
+
+    assert auto_layers("glm-5", 80 * 2**30) == 4  # an H100: three GLM-5 MoE layers of 18 GiB
+    assert auto_layers("glm-5", 141 * 2**30) == 7
+    assert auto_layers("qwen3-30b-a3b", 141 * 2**30) == 48  # all of its layers: no dense one
+    with pytest.raises(ValueError, match="do not fit"):
+        auto_layers("glm-5", 20 * 2**30)
+    cfg = bench_config("glm-5", 4)
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts) == (6144, 2048, 256)
+    # one token, 8 experts per MoE layer: the touched experts, not all 256
+    full, one = bf16_step_bytes("glm-5", 4, 1, 256), bf16_step_bytes("glm-5", 4, 1, 8)
+    expert = 3 * 2048 * 6144 * 2
+    assert full - one == 3 * (256 - 8) * expert
+
+
 def test_clock_monitor_without_nvml_is_empty(monkeypatch):
     """Without NVML (this CPU machine, or no pynvml) the monitor is a no-op context, not an error."""
     import sys

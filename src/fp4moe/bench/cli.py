@@ -73,6 +73,20 @@ def parse_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _gpu_run(width: int = 160) -> tuple[Console, dict[str, Any], dict[str, Any]]:
+    """The console, environment and ceilings of a benchmark on the GPU; exits with a message without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
+        raise typer.Exit(2)
+    console = Console() if Console().is_terminal else Console(width=width)
+    env = environment()
+    ceilings = bench_ceilings()
+    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s, bf16 {ceilings['bf16_tflops']:,.0f} TFLOP/s")
+    return console, env, ceilings
+
+
 def _f(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -185,15 +199,7 @@ def moe(
     ms = parse_ms(m) if m is not None else MOE_MS
     oea_ms = parse_ms(oea_m) if oea_m.strip() else ()
 
-    import torch
-
-    if not torch.cuda.is_available():
-        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
-        raise typer.Exit(2)
-    console = Console() if Console().is_terminal else Console(width=160)
-    env = environment()
-    ceilings = bench_ceilings()
-    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s, bf16 {ceilings['bf16_tflops']:,.0f} TFLOP/s")
+    console, env, ceilings = _gpu_run()
     rows = run_moe_bench(model, tp=tp, ms=ms, routings=route_list, mode=mode, oea_ms=oea_ms, oea_k0=oea_k0,
                          ceilings=ceilings, torch_baseline=not no_torch, console=console)
     name = f"moe-{model}-tp{tp}-{mode}"
@@ -233,15 +239,7 @@ def calls(
             raise typer.BadParameter(str(err), param_hint="--models") from None
     ms = parse_ms(m) if m is not None else CALL_MS
 
-    import torch
-
-    if not torch.cuda.is_available():
-        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
-        raise typer.Exit(2)
-    console = Console() if Console().is_terminal else Console(width=160)
-    env = environment()
-    ceilings = bench_ceilings()
-    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s")
+    console, env, ceilings = _gpu_run()
     rows = run_calls_bench(names, ms, ceilings=ceilings, console=console)
     json_path, md_path = write_results("calls", env, rows, out, ceilings=ceilings)
     console.print(_calls_table(rows))
@@ -266,7 +264,7 @@ def _model_table(rows: Sequence[Mapping[str, Any]]) -> Table:
 @bench_app.command("model")
 def model_(
     model: Annotated[str, typer.Option(help="Model preset: glm-5, deepseek-v3 or qwen3-30b-a3b.")] = "glm-5",
-    layers: Annotated[Optional[int], typer.Option(min=2, help="Layers (the first dense); default: as many as let "
+    layers: Annotated[Optional[int], typer.Option(min=1, help="Layers (the first dense where the model has dense layers); default: as many as let "
                                                   "the bf16 model fit the GPU.")] = None,
     batches: Annotated[str, typer.Option(help="Decode batch sizes, e.g. 1,16,64.")] = "1,16,64",
     steps: Annotated[int, typer.Option(min=1, help="Decode steps timed per batch.")] = 32,
@@ -280,15 +278,7 @@ def model_(
         raise typer.BadParameter(f"expected one of {', '.join(MODEL_TYPES)}, got {model!r}", param_hint="--model")
     batch_list = parse_ms(batches)
 
-    import torch
-
-    if not torch.cuda.is_available():
-        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
-        raise typer.Exit(2)
-    console = Console() if Console().is_terminal else Console(width=170)
-    env = environment()
-    ceilings = bench_ceilings()
-    console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s")
+    console, env, ceilings = _gpu_run(170)
     rows, facts = run_model_bench(model, layers=layers, batches=batch_list, steps=steps, prefill=prefill,
                                   ceilings=ceilings, console=console)
     json_path, md_path = write_results(f"model-{model}", env, [{"kind": "model", **facts}, *rows], out,

@@ -3,7 +3,8 @@
 
 The model is the preset's transformers class with its real layer shapes (GLM-5: ``glm_moe_dsa``,
 with DeepSeek-V3's class and GLM-5's shapes where the installed transformers lacks it) and fewer
-layers: one dense layer and as many MoE layers as let the bf16 model fit the GPU (``layers``). Its
+layers: one dense layer (where the model has dense layers) and as many MoE layers as let the bf16
+model fit the GPU (``layers``). Its
 random bf16 weights are timed first, then quantized in place (``quantize_model``: MoE experts and
 every Linear projection to NVFP4, W4A16; embeddings, norms, routers and ``lm_head`` stay bf16) and
 timed again: the same model, the same prompts.
@@ -49,7 +50,8 @@ HEADROOM_BYTES = 12 * 2**30  # caches, activations, graphs and one MoE layer's F
 
 
 def bench_config(preset: str, layers: int):
-    """The transformers config of ``preset`` with ``layers`` layers (the first dense), GLM-5's shapes
+    """The transformers config of ``preset`` with ``layers`` layers (the first dense where the model
+    has dense layers), GLM-5's shapes
     on DeepSeek-V3's class where transformers has no ``glm_moe_dsa``."""
     import transformers
 
@@ -64,8 +66,8 @@ def bench_config(preset: str, layers: int):
                          f"{', '.join(MODEL_TYPES[preset])}")
     common = dict(num_hidden_layers=layers, max_position_embeddings=4096, pad_token_id=0, bos_token_id=0,
                   eos_token_id=None, tie_word_embeddings=False)
-    if model_type == "qwen3_moe":
-        cfg = transformers.AutoConfig.for_model(model_type, mlp_only_layers=[0], **common)
+    if model_type == "qwen3_moe":  # no dense layers in the real model, none here
+        cfg = transformers.AutoConfig.for_model(model_type, **common)
     else:
         cfg = transformers.AutoConfig.for_model(model_type, first_k_dense_replace=1, **common)
     if model_type == "deepseek_v3" and preset == "glm-5":  # GLM-5's MoE and attention shapes
@@ -85,24 +87,26 @@ def _param_bytes(module) -> int:
 
 
 def auto_layers(preset: str, free_bytes: int) -> int:
-    """Layers (one dense, the rest MoE) whose bf16 weights fit ``free_bytes`` with ``HEADROOM_BYTES``
+    """Layers (one dense where the model has dense layers, the rest MoE) whose bf16 weights fit ``free_bytes`` with ``HEADROOM_BYTES``
     to spare: sized on the meta device."""
     import torch
     import transformers
 
     from ..models import get_model
 
-    cfg = bench_config(preset, 2)
+    spec = get_model(preset)
+    n_dense = 1 if spec.first_dense_layers else 0
     with torch.device("meta"):
-        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        m = transformers.AutoModelForCausalLM.from_config(bench_config(preset, n_dense + 1), dtype=torch.bfloat16)
     layers = m.model.layers
-    dense, moe = _param_bytes(layers[0]), _param_bytes(layers[1])
+    dense = _param_bytes(layers[0]) if n_dense else 0
+    moe = _param_bytes(layers[n_dense])
     rest = _param_bytes(m) - dense - moe
-    n = min(int((free_bytes - HEADROOM_BYTES - rest - dense) // moe), get_model(preset).moe_layers)
+    n = min(int((free_bytes - HEADROOM_BYTES - rest - dense) // moe), spec.moe_layers)
     if n < 1:
         raise ValueError(f"model {preset}: one MoE layer in bf16 ({moe / 2**30:.1f} GiB) and the rest "
                          f"({(rest + dense) / 2**30:.1f} GiB) do not fit {free_bytes / 2**30:.1f} GiB free")
-    return 1 + n
+    return n_dense + n
 
 
 def _build(preset: str, layers: int, seed: int):
