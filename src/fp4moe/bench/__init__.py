@@ -4,3 +4,7 @@ Modules: ``timing`` (the one place that times anything), ``roofline`` (pure arit
 ``report`` (environment stamp and JSON/Markdown files), ``linear`` (the FP4 linear and
 activation-quantize benchmarks) and ``cli`` (the ``fp4moe bench`` commands).
 """
+
+#: the benchmarks' modes: W4A16 (bf16 activations) and W4A4 (FP4 activations); here, so that the
+#: command line can check ``--modes`` without importing torch
+MODES: tuple[str, ...] = ("w4a16", "w4a4")

@@ -13,8 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..formats import get_format
-from .linear import DEFAULT_MS, GLM5_SHAPES, MODES, QUICK_MS, bench_ceilings, run_linear_bench, run_quantize_bench
+from . import MODES
 from .report import environment, one_line, write_results
 
 __all__ = ["bench_app", "parse_ms", "parse_shapes", "parse_modes"]
@@ -81,6 +80,8 @@ def _gpu_run(width: int = 160) -> tuple[Console, dict[str, Any], dict[str, Any]]
         Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
         raise typer.Exit(2)
     console = Console() if Console().is_terminal else Console(width=width)
+    from .linear import bench_ceilings
+
     env = environment()
     ceilings = bench_ceilings()
     console.print(f"{env['gpu']}: copy {ceilings['copy_gbs']:,.0f} GB/s, bf16 {ceilings['bf16_tflops']:,.0f} TFLOP/s")
@@ -129,6 +130,9 @@ def linear(
     quick: Annotated[bool, typer.Option(help="Fewer M and repetitions; writes linear-quick-<gpu>.* instead.")] = False,
 ) -> None:
     """Time fp4_linear for each shape, M and mode against torch bf16 and the measured roofline."""
+    from ..formats import get_format
+    from .linear import DEFAULT_MS, GLM5_SHAPES, QUICK_MS, bench_ceilings, run_linear_bench, run_quantize_bench
+
     ms = parse_ms(m) if m is not None else (QUICK_MS if quick else DEFAULT_MS)
     shape_list = parse_shapes(shapes) if shapes is not None else GLM5_SHAPES
     mode_list = parse_modes(modes)

@@ -12,9 +12,22 @@ safetensors only; pickle files are never opened.
 """
 
 from .errors import CheckpointError
-from .reader import Checkpoint, ExpertWeights, LinearWeights, ModuleEntry, open_checkpoint
-from .scales import checkpoint_global_scale
-from .writer import WRITE_FORMATS, WriteReport, write_checkpoint
+
+# imported on first use (PEP 562): the command line mounts ``checkpoints.cli`` without torch
+_LAZY = {"Checkpoint": "reader", "ExpertWeights": "reader", "LinearWeights": "reader", "ModuleEntry": "reader",
+         "open_checkpoint": "reader", "checkpoint_global_scale": "scales", "WRITE_FORMATS": "writer",
+         "WriteReport": "writer", "write_checkpoint": "writer"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp4moe.checkpoints' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "Checkpoint",
