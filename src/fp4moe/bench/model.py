@@ -292,6 +292,9 @@ def _measure(model, label: str, batches: Sequence[int], steps: int, prefill: int
                     model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kw)
                     torch.cuda.synchronize()
                     t.append(time.perf_counter() - t0)
+            if t[1] <= t[0]:
+                raise RuntimeError(f"generate of {4 + steps} tokens took no longer than of 4 ({t[1]:.4f} s, "
+                                   f"{t[0]:.4f} s): too few --steps to time")
             row["plain_step_us"] = (t[1] - t[0]) / steps * 1e6
             times = {k: row[f"{k}_step_us"] for k in ("graph", "plain") if row[f"{k}_step_us"]}
             row["best"] = min(times, key=times.get)
