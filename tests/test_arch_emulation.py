@@ -111,6 +111,7 @@ def test_arch_kwargs_off_cuda_and_under_the_interpreter(fresh_request, monkeypat
     assert _runtime.emulated_arch(torch.device("cpu")) is None
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compilation_ignores_an_override(monkeypatch):
     """The planner proves the target it names whatever the environment says
     (TRITON_OVERRIDE_ARCH, FP4MOE_ARCH): an sm_90 compile of a bf16 tl.dot kernel is a wgmma, not

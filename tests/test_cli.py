@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from fp4moe.cli import app
@@ -54,6 +55,7 @@ def test_demo_reports_round_trip_error():
     assert out["mxfp4"]["bits_per_element"] == 4.25
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_plan_glm5_on_rtx_pro_6000_fits_and_uses_fp4_mma(tmp_path, monkeypatch):
     monkeypatch.setenv("FP4MOE_CACHE_DIR", str(tmp_path))
     result = runner.invoke(app, ["plan", "--gpu", "rtx pro 6000", "--model", "glm-5", "--tp", "8", "--tokens", "16",

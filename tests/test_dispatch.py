@@ -331,6 +331,7 @@ def test_heuristic():
 # ------------------------------------------------------------------------------ cross-compilation
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compile_default_configs():
     """Both paths' heuristic configurations compile for SM80, SM90 and SM120 without spilling."""
     from fp4moe.ops.dispatch import compile_requests

@@ -400,6 +400,7 @@ WGMMA_CASES = [c + (1, False, False) for c in [
     ("gemm2", 4, 128, 4, "mxfp4", True, 2, 32, 1, False, True)]
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compiles_for_sm90():
     """Plain linear and both MoE GEMMs compile for SM90 with wgmma (A from the decoded registers),
     activations and weight words by TMA on mbarriers (no cp.async), inside the per-block

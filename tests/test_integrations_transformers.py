@@ -60,6 +60,7 @@ def _out(y):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_end_to_end_logits_within_fp4_tolerance_and_generate(family, tmp_path):
     r = run_e2e(family, "tiny", workdir=tmp_path, device="cpu", new_tokens=NEW_TOKENS)
     # NVFP4 on normal-ish weights: ~9.6% relative RMS (a broken quantizer would be far off)

@@ -231,6 +231,7 @@ def test_heuristic_spreads_decode_over_the_sms():
 # ------------------------------------------------------------------------------ cross-compilation
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compile_every_path():
     """W4A4 uses the block-scaled FP4 MMA on SM120/SM100; every path compiles for SM80/89/90."""
     from fp4moe.arch import get_arch

@@ -221,6 +221,7 @@ def test_fit_kw_gives_every_slice_whole_steps():
     assert _fit_kw(MMAConfig(kh=2, kw=4, warps=1), 2) == (2, 1)
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_kw_register_table_matches_ptxas():
     """``KW_REGISTERS`` (the decode heuristic's occupancy model) is what ptxas gives for sm_90."""
     from fp4moe.ops.mma_layout import KW_REGISTERS, mma_compile_request
@@ -233,6 +234,7 @@ def test_kw_register_table_matches_ptxas():
     assert {k: v for k, v in got.items() if v != (KW_REGISTERS[k], 0, True)} == {}
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_kw_xc_register_table_matches_ptxas():
     """``KW_REGISTERS_XC``: x read per chunk, as the heuristic launches it (8 tokens, PDL = 3)."""
     from fp4moe.ops.mma_layout import KW_REGISTERS_XC, mma_compile_request
@@ -362,6 +364,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_kw_kernel_cross_compiles_for_every_architecture():
     """The in-program K split builds from sm_80 to sm_120 with the bf16 mma.sync and no spills; its
     only shared memory is the warp groups' partial tiles; griddepcontrol (PDL) only from sm_90."""
@@ -842,6 +845,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
         assert torch.equal(again, out) and tiles_seen == [(8, small), (16, large)] * 2
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_fused_swiglu_gemm1_cross_compiles():
     """MoE GEMM 1 with its SiLU epilogue in the kernel (the decode configurations, every global-scale
     mode, bias) compiles for SM80, SM90 and SM120 without spills, on mma.sync, with PDL from SM90."""

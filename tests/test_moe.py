@@ -272,6 +272,7 @@ def test_w4a4_chain_joins_global_scales(E, N, globals_, device):
             assert _weight_globals(w_g)[0].data_ptr() == w_g.global_scale.data_ptr()  # read in place
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compile_default_configs():
     """Both grouped GEMMs at GLM-5 decode and prefill configurations fit every target, no spills."""
     from fp4moe.arch import get_arch

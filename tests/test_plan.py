@@ -93,6 +93,7 @@ def _default_problems(arch):
 
 
 @pytest.mark.parametrize("cc", [120, 90])
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
     """The runtime heuristic of every kernel, cross-compiled: fits the chip, does not spill (in the
     main loop: GEMM 2's 255 registers spill 16 B in its epilogue since the scales came by TMA), uses
@@ -201,6 +202,7 @@ def _spread_cases():
     return cases
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_smem_model_agrees_with_compiled_shared_memory(cache):
     spec = get_kernel("fp4_linear")
     cases = _spread_cases()
@@ -222,6 +224,7 @@ def test_smem_model_agrees_with_compiled_shared_memory(cache):
     assert len(worst) >= 90
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_planner_compiled_candidates_agree_with_the_model(cache):
     """Whatever the planner compiles (its top candidates and the heuristic) agrees with the model."""
     problems = [LinearProblem(16, 512, 6144, mode="w4a4"), LinearProblem(64, 6144, 2048),
@@ -517,6 +520,7 @@ def test_activation_chain_follows_its_reader():
 
 
 @pytest.mark.parametrize("cc", [80, 90, 120])
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_fake_quantize_plans_legal_on_every_generation(cc, cache):
     """The quantizer writing bf16 values (``values_out``, ``nvfp4_fake_quantize_kernel``) cross-compiles
     without spills or MMA at the runtime's tile (uncapped, as its launcher runs it), its request
@@ -628,6 +632,7 @@ def test_compiler_crash_costs_only_its_own_request(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------ the wgmma kernel
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_wgmma_plan_every_candidate_compiles_clean_on_sm90(cache):
     """Every candidate of the SM90 prefill kernel: the shared-memory model is exact, no spill, a
     bf16 wgmma, and no SASS write to the A registers of a wgmma still in flight (plan.sass)."""
@@ -692,6 +697,7 @@ def test_mma_moe_plans_the_pair_rows_the_runtime_writes(cache, monkeypatch):
     assert moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch).signature["y_ptr"] == "*fp32"
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_emulated_w4a4_plans_the_variants_the_runtime_launches(cache):
     """Emulated W4A4 (SM80-SM90) runs the packed kernels on its activations dequantized to bf16
     (``ops.linear._launch_packed``, ``ops.moe._run_wgmma`` with its re-quantization): what they write

@@ -72,6 +72,7 @@ def test_heuristic_of_both_gemms_fits_at_glm5_shapes(cc, cache):
 
 
 @pytest.mark.parametrize("cc", [120, 90])
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_planner_picks_legal_configs_and_the_model_agrees_with_what_it_compiles(cc, cache):
     """``plan_many`` over GLM-5's grouped GEMMs: a legal, compiled choice for each (shared memory
     within the limit, no spills, the expected MMA) and every candidate it compiled within the

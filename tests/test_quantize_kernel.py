@@ -293,6 +293,7 @@ def test_dynamic_global_scale_is_a_correctly_rounded_division(device):
 
 @pytest.mark.parametrize("path", ["partials", "atomic"])
 @pytest.mark.parametrize("M,K", [(1, 64), (3, 2048), (40, 1040), (300, 64)])
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_dynamic_scale_from_partials_or_one_atomic_word(path, M, K, device, monkeypatch):
     """The dynamic scale's absmax pass leaves one maximum per program for the quantize kernels to
     reduce (up to ``MAX_ABSMAX_PARTIALS`` programs: no zero fill) or folds them into one zeroed
@@ -645,6 +646,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compiles_for_every_generation():
     """SM80 (no FP8 conversion), SM89, SM90, SM100, SM120 from this CPU machine, in a subprocess
     without TRITON_INTERPRET (under the interpreter @triton.jit objects cannot be compiled)."""

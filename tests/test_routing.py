@@ -176,6 +176,7 @@ def test_block_sizes_do_not_change_bits(device):
         assert_same_routing(route(logits, case.routing, bias, config=cfg), ref)
 
 
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_determinism(device):
     case = CASES[5]
     logits, bias = _inputs(case, device)
@@ -403,6 +404,7 @@ def _oea_batches(E: int, T: int, device: str):
     Routing("sigmoid_bias", top_k=6, routed_scaling_factor=2.5),
     Routing("gpt_oss", top_k=4),
 ], ids=lambda r: f"{r.kind}_k{r.top_k}_g{r.n_group}")
+@pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_oea_invariants(routing, device):
     E, T = 64, 16
     g = torch.Generator().manual_seed(2)
