@@ -267,8 +267,10 @@ def plan_command(
     if not console.is_terminal:  # a log or a pipe: do not squeeze the table into 80 columns
         console = Console(stderr=as_json, width=170)
     start = time.perf_counter()
-    with console.status(f"planning {spec.name} on {product.name if product else target.name} "
-                        "(cross-compiling for the target)"):
+    what = f"planning {spec.name} on {product.name if product else target.name} (cross-compiling for the target)"
+    if not console.is_terminal:  # a log or a pipe gets no spinner: say what the wait is
+        console.print(what + " ...", highlight=False)
+    with console.status(what):
         try:
             planned = plan_model(spec, arch=target, gpu=product, tp=tp, ep=ep, tokens=buckets, mode=mode,
                                  compile=not no_compile)
@@ -308,7 +310,11 @@ def plan_command(
     if explain:
         for *_, r in planned:
             console.print(r.explain(rejected=True), highlight=False, markup=False)
-    else:
-        console.print("breakdown of the first row: " + (rows[0].get("breakdown") or "—"), highlight=False,
-                      markup=False)
+    else:  # the shared-memory breakdown of the first row that uses shared memory
+        shown = next(((t, name, row) for (t, name, _, _), row in zip(planned, rows)
+                      if row.get("breakdown") and not str(row["breakdown"]).startswith("nothing")), None)
+        if shown is not None:
+            t, name, row = shown
+            console.print(f"shared memory of {name} at {t} tokens: {row['breakdown']} (--explain: every row)",
+                          highlight=False, markup=False)
     console.print(f"planned {len(rows)} kernels in {seconds:.1f} s", highlight=False)
