@@ -446,6 +446,11 @@ def _dispatch_op(topk_ids: torch.Tensor, n_experts: int, block_m: int, block_p: 
                                                               torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                               torch.Tensor, torch.Tensor]:
     """block_p = 0: heuristic configuration; ``classes``: (block_m, lo, hi) per class tile map."""
+    return _dispatch_impl(topk_ids, n_experts, block_m, block_p, fused, num_warps, classes)
+
+
+def _dispatch_impl(topk_ids, n_experts, block_m, block_p, fused, num_warps, classes):
+    """The body of ``fp4moe::dispatch`` (``dispatch`` calls it directly where nothing traces the call)."""
     T, k = topk_ids.shape
     n = T * k
     cls = _classes_from_flat(classes)
@@ -474,6 +479,11 @@ def _dispatch_fake(topk_ids, n_experts, block_m, block_p, fused, num_warps, clas
 def _tile_map_op(expert_counts: torch.Tensor, n_pairs: int, block_m: int, rows_lo: int,
                  rows_hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """rows_lo, rows_hi = 0, ALL_ROWS: every expert."""
+    return launch_tile_map_flat(expert_counts, n_pairs, block_m, rows_lo, rows_hi)
+
+
+def launch_tile_map_flat(expert_counts, n_pairs, block_m, rows_lo, rows_hi):
+    """The body of ``fp4moe::dispatch_tile_map`` (``tile_map`` calls it directly where nothing traces)."""
     return launch_tile_map(expert_counts, n_pairs, block_m, (rows_lo, rows_hi))
 
 
@@ -501,7 +511,10 @@ def dispatch(topk_ids: torch.Tensor, n_experts: int, block_m: int, *, config: Di
         _check_values(topk_ids, n_experts)
     classes = _check_classes(classes)
     pinned = (config.block_p, config.fused, config.num_warps) if config else (0, False, 0)
-    outs = _dispatch_op(topk_ids, n_experts, block_m, *pinned, [v for m, (lo, hi) in classes for v in (m, lo, hi)])
+    from ._direct import runs_direct
+
+    op = _dispatch_impl if runs_direct(topk_ids) else _dispatch_op
+    outs = op(topk_ids, n_experts, block_m, *pinned, [v for m, (lo, hi) in classes for v in (m, lo, hi)])
     counts, offsets, st, sp, pr, te, ts, tend, nt, class_buf = outs
     views = _class_views(class_buf, topk_ids.numel(), n_experts, classes)
     return DispatchPlan(expert_counts=counts, expert_offsets=offsets, sorted_token=st, sorted_pair=sp, pair_row=pr,
@@ -533,7 +546,10 @@ def tile_map(plan: DispatchPlan, block_m: int, rows: tuple[int, int] | None = No
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m: expected a positive int, got {block_m!r}")
     lo, hi = check_rows(rows) or (0, ALL_ROWS)
-    te, ts, tend, nt = _tile_map_op(plan.expert_counts, plan.sorted_pair.shape[0], block_m, lo, hi)
+    from ._direct import runs_direct
+
+    op = launch_tile_map_flat if runs_direct(plan.expert_counts) else _tile_map_op
+    te, ts, tend, nt = op(plan.expert_counts, plan.sorted_pair.shape[0], block_m, lo, hi)
     return TileMap(te, ts, tend, nt, block_m, None if rows is None else (lo, hi))
 
 

@@ -629,6 +629,10 @@ def fp4_linear(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None = None, 
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias: expected None or a torch.Tensor, got {type(bias).__name__}")
     _check_input_global_scale(input_global_scale, x)
+    from ._direct import runs_direct
+
+    if runs_direct(x, w.data, w.scales, w.global_scale, bias, input_global_scale):  # nothing traces: no custom op
+        return _forward(x, w, bias, mode, input_global_scale, None)
     return _linear_op(x, w.data, w.scales, w.global_scale, w.shape[1], w.fmt.name, mode, bias, input_global_scale)
 
 

@@ -1108,8 +1108,16 @@ def moe_experts(x: torch.Tensor, w13: FP4Tensor, w2: FP4Tensor, topk_ids: torch.
                 *, activation: Activation = "silu", interleaved: bool = False, w13_bias: torch.Tensor | None = None,
                 w2_bias: torch.Tensor | None = None, shared_out: torch.Tensor | None = None, mode: str = "w4a16",
                 input_global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``fp4_moe_experts`` through the ``fp4moe::moe_experts`` custom op (the module's entry point)."""
+    """``fp4_moe_experts`` through the ``fp4moe::moe_experts`` custom op (the module's entry point),
+    or directly where nothing traces the call (``ops._direct.runs_direct``)."""
+    from ._direct import runs_direct
+
     check_moe_inputs(x, w13, w2, topk_ids, topk_weights)
+    if runs_direct(x, w13.data, w13.scales, w13.global_scale, w2.data, w2.scales, w2.global_scale, topk_ids,
+                   topk_weights, w13_bias, w2_bias, shared_out, input_global_scale):
+        return fp4_moe_experts(x, w13, w2, topk_ids, topk_weights, activation=activation, interleaved=interleaved,
+                               w13_bias=w13_bias, w2_bias=w2_bias, shared_out=shared_out, mode=mode,
+                               input_global_scale=input_global_scale)
     return _moe_experts_op(x, w13.data, w13.scales, w13.global_scale, w2.data, w2.scales, w2.global_scale,
                            w13.fmt.name, topk_ids, topk_weights, activation, interleaved, w13_bias, w2_bias,
                            shared_out, mode, input_global_scale)

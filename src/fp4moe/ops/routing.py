@@ -422,6 +422,13 @@ def _route_op(logits: torch.Tensor, bias: torch.Tensor | None, kind: str, top_k:
               num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                        torch.Tensor]:
     """k0 = 0: exact routing (the three stats outputs are empty); block_t = 0: heuristic config."""
+    return _route_impl(logits, bias, kind, top_k, renormalize, n_group, topk_group, routed_scaling_factor, k0,
+                       block_t, num_warps)
+
+
+def _route_impl(logits, bias, kind, top_k, renormalize, n_group, topk_group, routed_scaling_factor, k0, block_t,
+                num_warps):
+    """The body of ``fp4moe::route`` (``route`` calls it directly where nothing traces the call)."""
     routing = Routing(kind, top_k=top_k, renormalize=renormalize, n_group=n_group, topk_group=topk_group,
                       routed_scaling_factor=routed_scaling_factor)  # type: ignore[arg-type]
     T, E = logits.shape
@@ -489,7 +496,10 @@ def route(logits: torch.Tensor, routing: Routing, bias: torch.Tensor | None = No
     """
     _check(logits, routing, bias, k0, kernel=True)
     check_finite_option(check_finite)
-    ids, w, bad, act, exa, kept = _route_op(
+    from ._direct import runs_direct
+
+    op = _route_impl if runs_direct(logits, bias) else _route_op
+    ids, w, bad, act, exa, kept = op(
         logits, bias, routing.kind, routing.top_k, routing.renormalize, routing.n_group, routing.topk_group,
         float(routing.routed_scaling_factor), k0 or 0, config.block_t if config else 0,
         config.num_warps if config else 0)
