@@ -61,6 +61,9 @@ class FP4Linear(nn.Module):
                              if fmt.has_global_scale else None)
         self.register_buffer("input_scale", None)  # W4A4 static activation global scale, optional
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        from .ops._runtime import check_fp4_state_dict
+
+        self.register_load_state_dict_pre_hook(check_fp4_state_dict)  # load_state_dict checks the values it loads
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` / ``.half()`` must not touch the FP4 buffers: keep their dtypes, follow the device."""
@@ -84,9 +87,9 @@ class FP4Linear(nn.Module):
                  input_scale: torch.Tensor | float | None = None) -> FP4Linear:
         if not isinstance(weight, FP4Tensor) or len(weight.shape) != 2:
             raise TypeError(f"weight: expected a 2-D FP4Tensor, got {type(weight).__name__}")
-        from .ops._runtime import check_weight_scale_range
+        from .ops._runtime import check_weight_scales
 
-        check_weight_scale_range(weight, "weight")
+        check_weight_scales(weight, "weight")  # NaN/negative scales, bad global scale, MXFP4 range: once, here
         out_f, in_f = weight.shape
         dtype = bias.dtype if bias is not None else torch.bfloat16
         layer = cls(in_f, out_f, bias=bias is not None, fmt=weight.fmt, mode=mode, dtype=dtype, device=weight.device)
@@ -177,6 +180,12 @@ class FP4MoE(nn.Module):
         if not isinstance(router_weight, torch.Tensor):
             raise TypeError(f"router_weight: expected a torch.Tensor, got {type(router_weight).__name__}")
         E, two_i, H = w13.shape
+        if E == 0:
+            raise ValueError(f"w13: expected at least one expert, got {tuple(w13.shape)} (E = 0)")
+        device = w13.device
+        for name, t in (("router_weight", router_weight), ("router_bias", router_bias)):
+            if t is not None and t.device != device:
+                raise ValueError(f"{name}: expected device {device} (that of w13), got {t.device}")
         if router_weight.shape != (E, H):
             raise ValueError(f"router_weight: expected [{E}, {H}] (experts x hidden, from w13 {tuple(w13.shape)}), "
                              f"got {tuple(router_weight.shape)}")
@@ -199,10 +208,19 @@ class FP4MoE(nn.Module):
         check_mode_and_activation(mode, activation, w13)
         check_finite_option(check_finite)
         check_moe_extras(torch.empty(0, H, device=w13.device), E, two_i // 2, H, w13_bias, w2_bias, None)
-        from .ops._runtime import check_weight_scale_range
+        for name, m in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down),
+                        ("shared_expert", shared_expert)):
+            if m is None:
+                continue
+            for part, t in (*m.named_parameters(), *m.named_buffers()):
+                if t.device != device:
+                    raise ValueError(f"{name}.{part}: expected device {device} (that of w13), got {t.device}; "
+                                     f"move the module with .to({str(device)!r})")
+        from .ops._runtime import check_weight_scales
 
-        check_weight_scale_range(w13, "w13")
-        check_weight_scale_range(w2, "w2")
+        # NaN/negative block scales, bad global scales, MXFP4 range: once per weight, here
+        check_weight_scales(w13, "w13")
+        check_weight_scales(w2, "w2")
         self.routing, self.activation, self.interleaved, self.mode, self.k0 = routing, activation, interleaved, mode, k0
         self.check_finite = check_finite
         self.register_buffer("router_weight", router_weight.detach())
@@ -259,6 +277,15 @@ class FP4MoE(nn.Module):
                   shared_down: torch.Tensor | None = None, **kwargs) -> FP4MoE:
         """Quantize a bf16 MoE block: expert weights [E, 2I, H] and [E, H, I] (one global per expert),
         optional shared expert weights [2Is, H] and [H, Is]."""
+        for name, t in (("w13", w13), ("w2", w2)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{name}: expected stacked expert weights [E, N, K], got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if w13.shape[0] == 0 or w2.shape[0] == 0:
+            raise ValueError(f"w13, w2: expected at least one expert, got w13 {tuple(w13.shape)} and w2 "
+                             f"{tuple(w2.shape)} (E = 0)")
+        if (shared_gate_up is None) != (shared_down is None):
+            raise ValueError("shared_gate_up and shared_down: give both or neither")
         q13, q2 = quantize_stacked(w13.detach(), fmt), quantize_stacked(w2.detach(), fmt)
         sgu = sd = None
         if shared_gate_up is not None:

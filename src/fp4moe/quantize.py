@@ -234,6 +234,8 @@ def quantize_stacked(w: torch.Tensor, fmt: str | FP4Format = "nvfp4") -> FP4Tens
     element for element what ``quantize(w[e])`` gives for each e."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise ValueError(f"w: expected stacked matrices [E, N, K], got {getattr(w, 'shape', type(w).__name__)}")
+    if w.shape[0] == 0:
+        raise ValueError(f"w: expected at least one matrix (E >= 1), got shape {tuple(w.shape)}")
     parts = [quantize(w[e], fmt) for e in range(w.shape[0])]
     fmt = get_format(fmt)
     gs = torch.stack([p.global_scale.reshape(1) for p in parts]) if fmt.has_global_scale else None

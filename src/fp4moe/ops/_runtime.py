@@ -8,8 +8,6 @@ import os
 
 import torch
 
-from ..formats import e4m3_is_nan
-
 
 def interpreting() -> bool:
     """True under ``TRITON_INTERPRET=1`` (kernels run on the CPU through Triton's interpreter)."""
@@ -62,22 +60,127 @@ def fast_fold(act: int, fast: bool, w_e4m3: bool) -> float:
 E8M0_RANGE = {"bf16": (21, 154), "fp16": (113, 140)}
 
 
+#: elements of a weight's block scales ``check_fp4_values`` examines per step (bounds its temporaries)
+CHECK_CHUNK = 1 << 26
+
+
+def _first_bad(mask: torch.Tensor, shape: torch.Size) -> tuple[list[int], int]:
+    """The index (in ``shape``) of the first True of the flat ``mask``, and how many are True."""
+    flat = int(torch.nonzero(mask)[0, 0])
+    index = list(torch.unravel_index(torch.tensor(flat), tuple(shape))) if len(shape) else []
+    return [int(i) for i in index], int(mask.sum())
+
+
+def check_fp4_values(w, name: str = "w") -> None:
+    """Refuse an FP4Tensor whose values the kernels would decode otherwise than ``dequantize``:
+
+    * NVFP4 block scales (E4M3) that are NaN codes (0x7F, 0xFF: the kernels' integer decode reads
+      them as 480) or negative (sign bit set: the kernels ignore it; -0 = 0x80 is allowed);
+    * MXFP4 block scales (E8M0) that are the NaN code 0xFF;
+    * global scales that are not positive and finite (NaN, Inf, zero, negative);
+    * data, scales and global scale on different devices.
+
+    Raises ValueError naming ``name``, the first offending index, what was expected and what was
+    found. ``quantize`` and the checkpoint reader never produce such values. One host sync (the
+    scales are examined ``CHECK_CHUNK`` elements at a time): call it once per weight, when a module
+    is built or weights are loaded or packed, never per call. Meta tensors hold no values: only the
+    devices are checked."""
+    parts = [("data", w.data), ("scales", w.scales)]
+    if w.global_scale is not None:
+        parts.append(("global_scale", w.global_scale))
+    devices = {t.device for _, t in parts}
+    if len(devices) > 1:
+        found = ", ".join(f"{p} on {t.device}" for p, t in parts)
+        raise ValueError(f"{name}: expected data, block scales and global scale on one device, found {found}")
+    if w.data.device.type == "meta":
+        return
+    nvfp4 = w.fmt.scale_kind == "e4m3"
+    bits = w.scales.reshape(-1).view(torch.uint8)
+
+    def bad_scales(chunk: torch.Tensor) -> torch.Tensor:
+        if nvfp4:  # NaN (0x7F, 0xFF) or negative (sign bit set), -0 (0x80) allowed
+            return ((chunk & 0x7F) == 0x7F) | (chunk > 0x80)
+        return chunk == 0xFF
+
+    flags = torch.zeros(2, dtype=torch.bool, device=bits.device)
+    for i in range(0, bits.numel(), CHECK_CHUNK):
+        flags[0] |= bad_scales(bits[i:i + CHECK_CHUNK]).any()
+    g = w.global_scale
+    if g is not None and g.numel():
+        gf = g.reshape(-1).to(torch.float32)
+        flags[1] = (~(torch.isfinite(gf) & (gf > 0))).any()
+    bad_block, bad_global = flags.tolist()  # the one host sync
+    if bad_block:
+        mask = bad_scales(bits)
+        index, count = _first_bad(mask, w.scales.shape)
+        code = int(bits[int(torch.nonzero(mask)[0, 0])])
+        more = f" ({count} bad block scales in all)" if count > 1 else ""
+        if not nvfp4:
+            found = f"the E8M0 NaN code (0x{code:02x})"
+            want = "an E8M0 exponent 0x00..0xfe"
+        elif code & 0x7F == 0x7F:
+            found = f"a NaN code (0x{code:02x})"
+            want = "a finite non-negative E4M3 scale"
+        else:
+            value = torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float().item()
+            found = f"negative (0x{code:02x} = {value})"
+            want = "a non-negative E4M3 scale (sign bit clear)"
+        raise ValueError(f"{name}: block scale at {index} is {found}; expected {want}{more}")
+    if bad_global:
+        gf = g.reshape(-1).to(torch.float32)
+        mask = ~(torch.isfinite(gf) & (gf > 0))
+        index, count = _first_bad(mask, g.shape)
+        value = float(gf[int(torch.nonzero(mask)[0, 0])])
+        more = f" ({count} bad global scales in all)" if count > 1 else ""
+        raise ValueError(f"{name}: global scale at {index} is {value!r}; expected a positive finite value{more}")
+
+
+def check_fp4_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                         error_msgs) -> None:
+    """``FP4Linear``'s ``load_state_dict`` pre-hook: ``check_fp4_values`` on the weight about to be
+    loaded (the state dict's ``weight``, ``weight_scale``, ``weight_scale_2``, the module's own
+    buffers for those it lacks), before anything is copied. Entries of another shape or kind are
+    left to ``load_state_dict``'s own error."""
+    from ..quantize import FP4Tensor
+
+    names = ("weight", "weight_scale", "weight_scale_2")
+    if not any(prefix + n in state_dict for n in names):
+        return
+    parts = []
+    for n in names:
+        own = module._buffers.get(n)
+        new = state_dict.get(prefix + n, own)
+        if own is None or new is None:
+            parts.append(None)
+            continue
+        if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(own.shape):
+            return
+        if n == "weight" and new.dtype != own.dtype:
+            return
+        parts.append(new.detach().to(own.dtype))  # load_state_dict casts as it copies
+    if any(t is not None and t.device.type == "meta" for t in parts):
+        return  # no values to check (a partial load into a module built on meta)
+    device = parts[1].device
+    data, scales, gs = (None if t is None else t.to(device) for t in parts)
+    check_fp4_values(FP4Tensor(data=data, scales=scales, global_scale=gs,
+                               shape=torch.Size((module.out_features, module.in_features)), fmt=module.fmt),
+                     prefix + "weight")
+
+
 def check_weight_scales(w, name: str = "w", activations: str = "bf16") -> None:
-    """Refuse weights the packed kernels cannot decode: NVFP4 block scales holding NaN (E4M3 0x7F
-    or 0xFF; the kernels' integer decode would read them as numbers), MXFP4 scales out of the range
-    ``check_weight_scale_range`` allows. One host sync: call it when weights are loaded or packed."""
-    if w.fmt.scale_kind == "e4m3":
-        if bool(e4m3_is_nan(w.scales.view(torch.uint8)).any()):
-            raise ValueError(f"{name}: NVFP4 scales contain NaN (E4M3 0x7F)")
-    else:
-        check_weight_scale_range(w, name, activations)
+    """Refuse weights the kernels cannot decode as ``dequantize`` does: ``check_fp4_values`` (NaN or
+    negative block scales, bad global scales) and MXFP4 scales out of the range
+    ``check_weight_scale_range`` allows. One host sync or two: call it when weights are loaded or
+    packed (modules do, at construction), never per call."""
+    check_fp4_values(w, name)
+    check_weight_scale_range(w, name, activations)
 
 
 def check_weight_scale_range(w, name: str = "w", activations: str = "bf16") -> None:
     """Refuse MXFP4 weights whose scales the kernels cannot decode exactly with ``activations``
     ("bf16" or "fp16"): one host sync, so call it when weights are loaded, not per call. NVFP4's
     E4M3 scales are always in range."""
-    if w.fmt.scale_kind != "e8m0" or w.scales.numel() == 0:
+    if w.fmt.scale_kind != "e8m0" or w.scales.numel() == 0 or w.scales.device.type == "meta":
         return
     lo, hi = int(w.scales.min()), int(w.scales.max())
     for dtype, (a, b) in E8M0_RANGE.items():

@@ -6,9 +6,10 @@ Order of work, so that nothing is half-loaded:
    ``meta`` device (no memory, no random initialisation);
 2. plan from the headers alone: every MoE block has its FP4 experts with the shapes the config
    says, every parameter and persistent buffer of the model has its tensor (or, for a Linear, its
-   quantized linear) with the right shape, and every tensor of the checkpoint is used. Any
-   mismatch raises :class:`fp4moe.checkpoints.CheckpointError` naming the tensor, expected and
-   found, before a byte of data is read;
+   quantized linear) with the right shape and kind of dtype (floating point, integer or bool), and
+   every tensor of the checkpoint is used. Any mismatch raises
+   :class:`fp4moe.checkpoints.CheckpointError` naming the tensor, expected and found, before a
+   byte of data is read;
 3. read and build: each MoE block becomes an :class:`FP4MoEBlock` (``fp4moe.nn.FP4MoE``), each
    quantized Linear an :class:`fp4moe.nn.FP4Linear` (or, with ``linears=False``, an ``nn.Linear``
    holding the dequantized weight), everything else is assigned as stored; rotary buffers are
@@ -103,6 +104,22 @@ def _check_shape(ckpt: Checkpoint, name: str, want: tuple[int, ...], what: str =
                               f"config), found {info.describe()}")
 
 
+def _dtype_class(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "floating-point" if dtype.is_floating_point else "integer"
+
+
+def _check_dtype(ckpt: Checkpoint, name: str, want: torch.dtype) -> None:
+    """A tensor loaded as stored must be of the kind of the model's parameter or buffer (floating
+    point, integer or bool); a float of another width is cast as it is read (F32 into bf16)."""
+    info = ckpt.info(name)
+    found = info.torch_dtype
+    if _dtype_class(found) != _dtype_class(want):
+        raise CheckpointError(f"{info.file}: tensor {name!r}: expected a {_dtype_class(want)} tensor (the model's "
+                              f"{want}), found {info.describe()}")
+
+
 def _plan(ckpt: Checkpoint, model: nn.Module, family: MoEFamily) -> _Plan:
     config = model.config
     names = set(ckpt.tensor_names())
@@ -176,6 +193,7 @@ def _plan(ckpt: Checkpoint, model: nn.Module, family: MoEFamily) -> _Plan:
             raise CheckpointError(f"{ckpt.path}: missing tensor {key!r}, expected {list(tensor.shape)} for "
                                   f"{type(model).__name__}{hint}")
         _check_shape(ckpt, key, tuple(tensor.shape))
+        _check_dtype(ckpt, key, tensor.dtype)
         consumed.add(key)
         if not inside:
             plain[key] = tensor
