@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import platform
-from typing import Annotated, Any, Optional
+import re
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -21,14 +25,53 @@ app = typer.Typer(
 console = Console()
 
 
+#: Python-level phrasing of library messages -> the command line's terms (``cli_terms``). The
+#: library functions keep their messages; the command line rewrites them where it reports them.
+_CLI_TERMS: tuple[tuple[str, Any], ...] = (
+    (r"find_gpu: argument 'text' must name a GPU; received (.*?); known GPUs", r"expected a GPU name, got \1; known GPUs"),
+    (r"find_gpu: argument 'text' received (.*?), which matches no catalogued GPU", r"\1 is not in the GPU catalogue"),
+    (r"get_arch: argument 'arch' received (.*?), which is not a known architecture", r"\1 is not a known architecture"),
+    (r" \(also spelt 'sm_120', '120', 120, \(12, 0\) or '12\.0'\)", " (also spelt sm_120, 120 or 12.0)"),
+    (r"resolve_target: give exactly one of gpu= or arch=; received gpu=None, arch=None",
+     "give exactly one of --gpu and --arch (neither was given)"),
+    (r"resolve_target: give exactly one of gpu= or arch=; received gpu=(.*?), arch=(.*)$",
+     r"give exactly one of --gpu and --arch, not both (got --gpu \1 and --arch \2)"),
+    (r"pass (\w+)=True \(--([\w-]+)\)", r"pass --\2"),
+    (r"pass (\w+)=True\b", lambda m: f"pass --{m.group(1).replace('_', '-')}"),
+    (r"\b(find_gpu|get_arch|resolve_target|arch_for_capability): ", ""),
+)
+
+
+def cli_terms(message: str) -> str:
+    """A library message in the command line's terms: options (``--overwrite``, ``--gpu``) instead of
+    Python arguments (``overwrite=True``, ``find_gpu: argument 'text'``)."""
+    for pattern, replacement in _CLI_TERMS:
+        message = re.sub(pattern, replacement, message)
+    return message
+
+
+def _in_cli_terms(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` with the usage errors it raises reworded by ``cli_terms``."""
+
+    @functools.wraps(command)  # typer reads the options from the wrapped function's signature
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except typer.BadParameter as err:
+            err.message = cli_terms(err.message)
+            raise
+
+    return wrapper
+
+
 def _mount_subcommands() -> None:
     from .bench.cli import bench_app
     from .checkpoints.cli import quantize_command
     from .plan.cli import plan_command
 
     app.add_typer(bench_app, name="bench")
-    app.command("quantize")(quantize_command)
-    app.command("plan")(plan_command)
+    app.command("quantize")(_in_cli_terms(quantize_command))
+    app.command("plan")(_in_cli_terms(plan_command))
 
 
 _mount_subcommands()
@@ -84,7 +127,9 @@ def info(
         try:
             entry: arch.GPU | None = arch.find_gpu(gpu, strict=True)
         except ValueError as err:
-            raise typer.BadParameter(str(err), param_hint="--gpu") from None
+            message = re.sub(r"use --arch (\w+) to plan for the architecture alone",
+                             r"`fp4moe plan --arch \1` plans for the architecture alone", str(err))
+            raise typer.BadParameter(cli_terms(message), param_hint="--gpu") from None
     else:
         entry = detected.gpu if detected else None
     chip = entry.arch if entry else (detected.arch if detected else None)
@@ -208,7 +253,6 @@ def demo(
 
 def _demo_e2e(family: str, size: str, fmt: str, new_tokens: int, timing: bool, workdir: str | None, seed: int,
               as_json: bool) -> None:
-    import os
     import sys
     import tempfile
 
@@ -222,6 +266,8 @@ def _demo_e2e(family: str, size: str, fmt: str, new_tokens: int, timing: bool, w
         raise typer.BadParameter(f"expected tiny or large, got {size!r}", param_hint="--size")
     if fmt not in ("modelopt", "compressed-tensors"):
         raise typer.BadParameter(f"expected modelopt or compressed-tensors, got {fmt!r}", param_hint="--format")
+    if workdir is not None:
+        _check_workdir(workdir, fmt)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally
     if not torch.cuda.is_available():
         if size == "large":
@@ -279,6 +325,39 @@ def _demo_e2e(family: str, size: str, fmt: str, new_tokens: int, timing: bool, w
     if r.device == "cpu":
         console.print("[dim]CPU: fp4moe's kernels ran through the Triton interpreter. Random weights give nearly flat "
                       "logits, so a small error flips argmaxes; the logits error is the measure.[/dim]")
+
+
+def _check_workdir(workdir: str, fmt: str) -> None:
+    """Refuse a --workdir that demo --e2e cannot use, before any work: it writes DIR/bf16 (the
+    bf16 model) and DIR/<format> (the checkpoint, replaced if there) into a folder it may create."""
+    def bad(message: str) -> typer.BadParameter:
+        return typer.BadParameter(message, param_hint="--workdir")
+
+    if not workdir.strip():
+        raise bad("expected a folder, got an empty path")
+    path = Path(workdir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise bad(f"{workdir}: exists and is not a folder; --workdir names a folder (created if missing) "
+                  f"for the bf16 model and the {fmt} checkpoint")
+    if path.is_dir():
+        model_files = [p.name for p in path.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"]
+        if model_files:
+            raise bad(f"{workdir}: is a model folder (holds {', '.join(sorted(model_files)[:3])}); --workdir writes "
+                      f"bf16/ and {fmt}/ into the folder it names: give a new or empty folder")
+        for sub, what in (("bf16", "the bf16 model"), (fmt, f"the {fmt} checkpoint")):
+            target = path / sub
+            if target.exists() and not target.is_dir():
+                raise bad(f"{workdir}: {sub} exists and is not a folder ({what} goes there)")
+            if target.is_dir() and any(target.iterdir()) and not (target / "config.json").is_file():
+                raise bad(f"{workdir}: {sub}/ holds files but no config.json (not a model or checkpoint); "
+                          f"{what} would be written over it: empty it or give another folder")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise bad(f"{workdir}: {ancestor} is not a folder, so the folder cannot be created")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise bad(f"{workdir}: {ancestor} is not writable")
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ process.
 
 Environment:
   FP4MOE_GUARD=1 (default) check and raise;  =warn  check, warn, and fall back to the torch
-  reference for that key;  =0  no checks (benchmarking).
+  reference for that key;  =0  no checks (benchmarking); the first time the guard is consulted
+  while it is off, a RuntimeWarning says so, once per process.
 """
 
 from __future__ import annotations
@@ -80,15 +81,29 @@ _lock = threading.Lock()
 _checked: dict[GuardKey, bool] = {}  # key -> passed
 _failures: dict[GuardKey, str] = {}  # key -> what was wrong
 _warned_capture: set[GuardKey] = set()
+_warned_off = False  # "the guard is off" said in this process
 
 
 def mode() -> str:
-    value = os.environ.get("FP4MOE_GUARD", "1").strip().lower()
+    """'raise', 'warn' or 'off', from ``FP4MOE_GUARD``; 'off' warns the first time in a process."""
+    raw = os.environ.get("FP4MOE_GUARD", "1")
+    value = raw.strip().lower()
     if value in ("0", "off", "false", "no"):
+        _warn_off(raw.strip())
         return "off"
     if value == "warn":
         return "warn"
     return "raise"
+
+
+def _warn_off(value: str) -> None:
+    global _warned_off
+    with _lock:
+        if _warned_off:
+            return
+        _warned_off = True
+    warnings.warn(f"fp4moe guard is off (FP4MOE_GUARD={value}): kernels run unchecked", RuntimeWarning,
+                  stacklevel=4)  # mode() <- the guard function <- the launcher's caller
 
 
 def device_name(device: torch.device) -> str:
