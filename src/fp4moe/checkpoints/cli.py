@@ -45,7 +45,9 @@ def quantize_command(
         report = write_checkpoint(model_dir, out_dir, fmt, exclude or [], overwrite=overwrite,  # type: ignore[arg-type]
                                   progress=progress and not as_json, max_shard_bytes=max_bytes)
     except CheckpointError as err:
-        Console(stderr=True).print(f"[red]error:[/red] {err}", markup=True, highlight=False)
+        from ..cli_terms import cli_terms  # the library's message in the command line's terms
+
+        Console(stderr=True).print(f"[red]error:[/red] {cli_terms(str(err))}", markup=True, highlight=False)
         raise typer.Exit(1) from None
     summary = {
         "out_dir": str(report.out_dir),
