@@ -249,3 +249,20 @@ def test_cuda_graphs_bitwise_and_inside_a_callers_capture():
     with graph_policy(enabled=False):
         assert torch.equal(out, block(x))
     assert _graphs(block).captures == n
+
+
+def test_eager_calls_skip_the_custom_op_only_where_nothing_traces():
+    """ops._direct.runs_direct: plain tensors run the implementation directly; a dispatch mode
+    (FakeTensorMode: torch.compile's and export's tracing), a tensor subclass or autograd recording
+    keep the custom op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fp4moe.ops._direct import runs_direct
+
+    x = torch.randn(2, 4)
+    assert runs_direct(x, None, torch.nn.Parameter(torch.ones(1), requires_grad=False))
+    with FakeTensorMode():
+        assert not runs_direct(torch.empty(2))
+    assert not runs_direct(x.requires_grad_(True))
+    with torch.no_grad():
+        assert runs_direct(x)

@@ -233,3 +233,18 @@ def test_plain_tensor_of_another_float_dtype_is_cast(qwen_checkpoint, tmp_path):
     model = load_fp4_model(ckpt, device="cpu")
     assert model.model.norm.weight.dtype == torch.bfloat16
     assert torch.equal(model.model.norm.weight, (norm.float() * 1.5).bfloat16())
+
+
+def test_moe_load_state_dict_checks_the_expert_values():
+    """A state dict with a NaN-coded expert block scale is refused before anything is copied."""
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 4, 64, 32
+    block = FP4MoE.from_bf16(torch.randn(E, H, generator=g).bfloat16(), torch.randn(E, 2 * I, H, generator=g),
+                             torch.randn(E, H, I, generator=g), Routing("softmax", top_k=2))
+    state = {k: v.clone() for k, v in block.state_dict().items()}
+    state["w2_weight_scale"].view(torch.uint8)[1, 2, 0] = 0x7F
+    before = block.w2_weight_scale.clone()
+    with pytest.raises(ValueError, match=r"w2_weight: block scale at \[1, 2, 0\] is a NaN code"):
+        block.load_state_dict(state)
+    assert torch.equal(block.w2_weight_scale.view(torch.uint8), before.view(torch.uint8))
+    block.load_state_dict({k: v.clone() for k, v in block.state_dict().items()})  # a good one loads

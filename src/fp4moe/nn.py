@@ -234,6 +234,9 @@ class FP4MoE(nn.Module):
             self._fp4[name] = (t.shape, t.fmt)
         self.register_buffer("w13_bias", w13_bias)
         self.register_buffer("w2_bias", w2_bias)
+        from .ops._runtime import check_fp4_moe_state_dict
+
+        self.register_load_state_dict_pre_hook(check_fp4_moe_state_dict)  # load_state_dict checks the values it loads
         self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
         self.shared_expert = shared_expert
         self.router_dtype = router_dtype

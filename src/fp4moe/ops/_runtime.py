@@ -141,9 +141,24 @@ def check_fp4_state_dict(module, state_dict, prefix, local_metadata, strict, mis
     loaded (the state dict's ``weight``, ``weight_scale``, ``weight_scale_2``, the module's own
     buffers for those it lacks), before anything is copied. Entries of another shape or kind are
     left to ``load_state_dict``'s own error."""
+    shape = torch.Size((module.out_features, module.in_features))
+    _check_loaded_fp4(module, state_dict, prefix, "weight", shape, module.fmt)
+
+
+def check_fp4_moe_state_dict(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                             error_msgs) -> None:
+    """``FP4MoE``'s ``load_state_dict`` pre-hook: ``check_fp4_state_dict`` for each stacked expert
+    weight (``w13_weight*``, ``w2_weight*``)."""
+    for name, (shape, fmt) in module._fp4.items():
+        _check_loaded_fp4(module, state_dict, prefix, f"{name}_weight", shape, fmt)
+
+
+def _check_loaded_fp4(module, state_dict, prefix: str, base: str, shape: torch.Size, fmt) -> None:
+    """``check_fp4_values`` on the FP4 weight ``base`` (its data, ``_scale`` and ``_scale_2`` buffers)
+    as ``state_dict`` would leave it."""
     from ..quantize import FP4Tensor
 
-    names = ("weight", "weight_scale", "weight_scale_2")
+    names = (base, f"{base}_scale", f"{base}_scale_2")
     if not any(prefix + n in state_dict for n in names):
         return
     parts = []
@@ -155,16 +170,14 @@ def check_fp4_state_dict(module, state_dict, prefix, local_metadata, strict, mis
             continue
         if not isinstance(new, torch.Tensor) or tuple(new.shape) != tuple(own.shape):
             return
-        if n == "weight" and new.dtype != own.dtype:
+        if n == base and new.dtype != own.dtype:
             return
         parts.append(new.detach().to(own.dtype))  # load_state_dict casts as it copies
     if any(t is not None and t.device.type == "meta" for t in parts):
         return  # no values to check (a partial load into a module built on meta)
     device = parts[1].device
     data, scales, gs = (None if t is None else t.to(device) for t in parts)
-    check_fp4_values(FP4Tensor(data=data, scales=scales, global_scale=gs,
-                               shape=torch.Size((module.out_features, module.in_features)), fmt=module.fmt),
-                     prefix + "weight")
+    check_fp4_values(FP4Tensor(data=data, scales=scales, global_scale=gs, shape=shape, fmt=fmt), prefix + base)
 
 
 def check_weight_scales(w, name: str = "w", activations: str = "bf16") -> None:
