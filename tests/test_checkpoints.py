@@ -485,7 +485,11 @@ def test_refuses_a_non_empty_out_dir_unless_overwrite(tmp_path):
     with pytest.raises(CheckpointError, match="holds no config.json .not a checkpoint.: overwrite replaces"):
         write_checkpoint(src, out, overwrite=True, progress=False)  # an arbitrary folder is never deleted
     assert (out / "keep.txt").read_text() == "mine"
-    (out / "config.json").write_text("{}")  # an earlier checkpoint: replaced
+    (out / "config.json").write_text("{}")  # another model: refused, left as it is
+    with pytest.raises(CheckpointError, match="no fp4moe_checkpoint.json, so it is not a checkpoint written by fp4moe"):
+        write_checkpoint(src, out, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "fp4moe_checkpoint.json").write_text('{"producer": "fp4moe"}')  # a checkpoint fp4moe wrote: replaced
     write_checkpoint(src, out, overwrite=True, progress=False)
     assert not (out / "keep.txt").exists() and (out / "hf_quant_config.json").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -24,7 +24,7 @@ def quantize_command(
     exclude: Annotated[Optional[list[str]], typer.Option(
         "--exclude", help="Module pattern to keep in bf16 (fnmatch, or re:REGEX); repeat for more, "
                           "e.g. --exclude 'model.layers.*.self_attn*'.")] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing checkpoint in OUT_DIR (a folder with a config.json) once the new one is complete.")]
+    overwrite: Annotated[bool, typer.Option(help="Replace a checkpoint fp4moe wrote in OUT_DIR (a folder with fp4moe_checkpoint.json) once the new one is complete; other folders are refused.")]
     = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 5GB, 500MB.")] = "5GB",
     progress: Annotated[bool, typer.Option(help="Show a progress bar on stderr.")] = True,

@@ -4,7 +4,16 @@ The writer plans every output tensor from the source headers first (names, dtype
 shards), then streams: one source tensor is read, quantized and written at its planned offset
 before the next is read, so memory holds one tensor group however large the model. Everything
 goes to a temporary folder next to ``out_dir`` that is checked (re-opened as a checkpoint) and
-then renamed into place: ``out_dir`` is never half-written.
+then renamed into place: ``out_dir`` is never half-written. Every file and the folder are flushed
+to disk (fsync) before the rename, and the parent folder after it.
+
+Every checkpoint carries a marker file, ``fp4moe_checkpoint.json`` (the fp4moe version and the
+format); ``overwrite=True`` replaces only a folder holding one, never another model or an arbitrary
+folder. A run holds a lock file ``.<out>.lock`` next to ``out_dir`` (the writer's pid, created
+exclusively) from its last check of ``out_dir`` to the rename, so a second run into the same folder
+fails at once instead of racing the first; a lock whose pid is no longer alive is taken over.
+Temporary (``.<out>.tmp-<pid>-*``) and replaced (``.<out>.old-<pid>-*``) folders left by a run that
+was killed are removed by the next run into ``out_dir``.
 
 Which tensors are quantized is :func:`fp4moe.checkpoints.policy.quantize_decision`; each becomes
 ``fp4moe.quantize(w, "nvfp4", global_scale=checkpoint_global_scale(amax(w)))`` (the ModelOpt
@@ -22,10 +31,13 @@ result equals, bit for bit, the checkpoint of the same model saved with per-expe
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,14 +66,18 @@ from .scales import checkpoint_global_scale
 from .schemes import CT_FORMAT, HF_QUANT_CONFIG
 
 __all__ = ["write_checkpoint", "WriteReport", "WriteFormat", "WRITE_FORMATS", "DEFAULT_MAX_SHARD_BYTES",
-           "parse_size"]
+           "MARKER_NAME", "parse_size"]
 
 WriteFormat = Literal["modelopt", "compressed-tensors"]
 WRITE_FORMATS: tuple[str, ...] = ("modelopt", "compressed-tensors")
 #: Hugging Face's default shard size ("5GB").
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 MODELOPT_ALGO = "W4A16_NVFP4"
-_SKIP_FILES = {"config.json", INDEX_NAME, HF_QUANT_CONFIG}
+#: The file that marks a folder as a checkpoint written by fp4moe (the only kind ``overwrite`` replaces).
+MARKER_NAME = "fp4moe_checkpoint.json"
+_SKIP_FILES = {"config.json", INDEX_NAME, HF_QUANT_CONFIG, MARKER_NAME}
+#: A lock file that is still empty this long after it was created is left over from a killed run.
+_EMPTY_LOCK_STALE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -283,6 +299,15 @@ def _write_group(src: Checkpoint, group: _Group, writer: ShardWriter, fmt: Write
     _write_fp4(tensor, group.outputs, writer, fmt, where)
 
 
+def _is_fp4moe_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds the marker file that fp4moe writes into every checkpoint."""
+    try:
+        marker = json.loads((folder / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("producer") == "fp4moe"
+
+
 def _check_out_dir(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
     src, out = model_dir.resolve(), out_dir.resolve()
     if out == src:
@@ -299,11 +324,126 @@ def _check_out_dir(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
             if not (out_dir / "config.json").is_file():  # replace checkpoints only, never an arbitrary folder
                 raise CheckpointError(f"{out_dir}: is not empty and holds no config.json (not a checkpoint): "
                                       "overwrite replaces checkpoint folders only; empty it or choose another")
+            if not _is_fp4moe_checkpoint(out_dir):  # another model, or a project folder: never deleted
+                raise CheckpointError(f"{out_dir}: holds a config.json but no {MARKER_NAME}, so it is not a "
+                                      "checkpoint written by fp4moe: overwrite replaces only folders fp4moe wrote; "
+                                      "if it is no longer needed, remove it yourself, or choose another folder")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    except OSError:  # pragma: no cover - e.g. a platform without signals: assume alive
+        return True
+    return True
+
+
+def _lock_path(out_dir: Path) -> Path:
+    return out_dir.with_name(f".{out_dir.name}.lock")
+
+
+def _acquire_lock(out_dir: Path) -> Path:
+    """Create ``.<out>.lock`` next to ``out_dir`` exclusively, holding this process's pid.
+
+    A lock held by a live process fails at once; one whose pid is no longer alive (or that stayed
+    empty for a minute: its writer died between creating and filling it) is taken over.
+    """
+    lock = _lock_path(out_dir)
+    for _ in range(5):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                text = lock.read_text()
+                age = time.time() - lock.stat().st_mtime
+            except FileNotFoundError:  # released meanwhile: try again
+                continue
+            try:
+                pid = int(text.strip())
+            except ValueError:
+                pid = None
+            if pid is None and age < _EMPTY_LOCK_STALE_S or pid is not None and _pid_alive(pid):
+                holder = f"process {pid}" if pid is not None else "a process that is starting"
+                raise CheckpointError(f"{out_dir}: another fp4moe write into this folder is running ({holder} holds "
+                                      f"the lock {lock}); wait for it to finish, or, if no such run is going on, "
+                                      "remove the lock file") from None
+            try:  # stale: take it over, unless another writer took it over first
+                if lock.read_text() == text:
+                    lock.unlink()
+            except FileNotFoundError:
+                pass
+            continue
+        try:
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return lock
+    raise CheckpointError(f"{out_dir}: could not take the lock {lock} (other writers keep taking it); "
+                          "try again")  # pragma: no cover - a race of several writers
+
+
+def _release_lock(lock: Path) -> None:
+    try:
+        if lock.read_text().strip() == str(os.getpid()):
+            lock.unlink()
+    except OSError:  # pragma: no cover - already gone
+        pass
+
+
+def _leftovers(out_dir: Path) -> list[tuple[str, Path]]:
+    """(kind, path) of ``.<out>.tmp-<pid>-*`` and ``.<out>.old-<pid>-*`` folders whose pid is not alive."""
+    pattern = re.compile(rf"^\.{re.escape(out_dir.name)}\.(tmp|old)-(\d+)-")
+    found = []
+    for path in out_dir.parent.iterdir():
+        m = pattern.match(path.name)
+        if m and path.is_dir() and not path.is_symlink() and not _pid_alive(int(m.group(2))):
+            found.append((m.group(1), path))
+    return found
+
+
+def _clean_leftovers(out_dir: Path) -> None:
+    """Remove what killed runs into ``out_dir`` left behind (call with the lock held).
+
+    A run killed between moving the old checkpoint aside and renaming the new one into place
+    leaves no ``out_dir`` and a ``.old-`` folder holding the previous checkpoint: that one is
+    renamed back to ``out_dir`` rather than deleted.
+    """
+    leftovers = _leftovers(out_dir)
+    if not out_dir.exists():
+        olds = sorted((p for kind, p in leftovers if kind == "old"), key=lambda p: p.stat().st_mtime)
+        if olds:
+            os.replace(olds[-1], out_dir)
+            leftovers = [(kind, p) for kind, p in leftovers if p != olds[-1]]
+    for _, path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file in ``folder`` and then the folder itself to disk."""
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            except OSError as err:  # pragma: no cover - a file system without fsync
+                if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+                    raise
+            finally:
+                os.close(fd)
+    fsync_dir(folder)
 
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    _fsync_tree(tmp)  # the data is on disk before the rename publishes it
     if out_dir.exists() and any(out_dir.iterdir()):
-        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.replace(out_dir, old)
         try:
             os.replace(tmp, out_dir)
@@ -339,7 +479,9 @@ def write_checkpoint(
             globals inverted).
         exclude: module name patterns to keep unquantized (fnmatch wildcards or ``re:<regex>``);
             each must match at least one module (a typo would silently quantize what it meant to keep).
-        overwrite: replace a non-empty ``out_dir`` (only once the new checkpoint is complete).
+        overwrite: replace a non-empty ``out_dir`` (only once the new checkpoint is complete); only a
+            checkpoint fp4moe wrote (one holding ``fp4moe_checkpoint.json``) is replaced, any other
+            folder is refused.
         progress: show a progress bar (rich, on stderr).
         max_shard_bytes: shard size bound, bytes or a string such as "5GB".
         on_group: called with each source tensor's name after it is written (tests, logging).
@@ -384,17 +526,23 @@ def write_checkpoint(
         names = ([SINGLE_NAME] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        lock = _acquire_lock(out_dir)  # from the last check of out_dir to the rename, one writer at a time
         try:
-            bytes_out = _write_shards(src, shards, names, tmp, format, progress, on_group)
-            _write_configs(src, model_dir, tmp, format, exclude, kept, shards, names)
-            with Checkpoint(tmp) as check:  # headers, index and config agree before anyone sees them
-                if check.format != format:  # pragma: no cover - a writer bug
-                    raise CheckpointError(f"{tmp}: wrote a {check.format} checkpoint, meant {format}")
-            _move_into_place(tmp, out_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            _clean_leftovers(out_dir)
+            _check_out_dir(model_dir, out_dir, overwrite)  # again, under the lock
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-{os.getpid()}-", dir=out_dir.parent))
+            try:
+                bytes_out = _write_shards(src, shards, names, tmp, format, progress, on_group)
+                _write_configs(src, model_dir, tmp, format, exclude, kept, shards, names)
+                with Checkpoint(tmp) as check:  # headers, index and config agree before anyone sees them
+                    if check.format != format:  # pragma: no cover - a writer bug
+                        raise CheckpointError(f"{tmp}: wrote a {check.format} checkpoint, meant {format}")
+                _move_into_place(tmp, out_dir)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            _release_lock(lock)
     return WriteReport(out_dir=out_dir, format=format,
                        quantized=tuple(module_of(o.name) for g in groups if g.quantized for o in g.outputs[::3]),
                        kept=kept,
@@ -436,6 +584,9 @@ def _write_configs(src: Checkpoint, model_dir: Path, tmp: Path, fmt: WriteFormat
     write_json(tmp / "config.json", {**src.config, "quantization_config": quant_config})
     if hf_quant is not None:
         write_json(tmp / HF_QUANT_CONFIG, hf_quant)
+    from .. import __version__
+
+    write_json(tmp / MARKER_NAME, {"producer": "fp4moe", "version": __version__, "format": fmt})
     for path in sorted(model_dir.iterdir()):
         if (path.is_file() and not path.name.startswith(".") and path.name not in _SKIP_FILES
                 and path.suffix != ".safetensors" and path.suffix not in PICKLE_SUFFIXES):
