@@ -15,7 +15,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from fp4moe import guard  # noqa: E402
 from fp4moe.checkpoints import write_checkpoint  # noqa: E402
 from fp4moe.integrations.transformers import FP4MoEBlock, load_fp4_model  # noqa: E402
 from fp4moe.integrations.transformers.convert import quantize_model  # noqa: E402
@@ -23,10 +22,7 @@ from fp4moe.integrations.transformers.e2e import build_model  # noqa: E402
 from fp4moe.nn import FP4Linear  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_guard():
-    guard.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_guard")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])

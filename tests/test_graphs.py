@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-from fp4moe import guard
 from fp4moe.graphs import CallGraphs, GraphPolicy, current_graph_policy, eager_calls, graph_policy, set_graph_policy
 from fp4moe.models import Routing
 from fp4moe.nn import FP4Linear, FP4MoE
@@ -20,10 +19,7 @@ from fp4moe.nn import FP4Linear, FP4MoE
 SIGMOID = Routing("sigmoid_bias", top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_guard():
-    guard.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_guard")
 
 
 @pytest.fixture
@@ -51,6 +47,14 @@ def _inputs(device, n, T=5, H=64, seed=0):
 
 def _graphs(module) -> CallGraphs:
     return module.__dict__["_graphs"]
+
+
+def _call(module, x, times: int = 3):
+    """``times`` calls of ``module`` on ``x`` (3: the first eager, the second captured, the third a
+    replay); the last output."""
+    for _ in range(times):
+        out = module(x)
+    return out
 
 
 def test_policy_validation_and_override():
@@ -109,8 +113,7 @@ def test_weights_written_in_place_drop_the_graphs(device, graphs_here):
         other.w13_weight.copy_(torch.flip(other.w13_weight, dims=(0,)))
         other.router_weight.mul_(-1)
     x = _inputs(device, 1)[0]
-    for _ in range(3):
-        block(x)
+    _call(block, x)
     assert _graphs(block).replays == 1
     block.load_state_dict(other.state_dict())
     with graph_policy(enabled=False):
@@ -123,8 +126,7 @@ def test_weights_written_in_place_drop_the_graphs(device, graphs_here):
 def test_device_or_dtype_change_drops_the_graphs(device, graphs_here):
     block = _block(device, shared=False)
     x = _inputs(device, 1)[0]
-    for _ in range(3):
-        block(x)
+    _call(block, x)
     assert len(_graphs(block)) == 1
     block.to(device)  # _apply: every cached decision made again
     assert len(_graphs(block)) == 0
@@ -134,8 +136,7 @@ def test_device_or_dtype_change_drops_the_graphs(device, graphs_here):
     with graph_policy(enabled=False):
         want = block(xh)
     before = _graphs(block).replays
-    for _ in range(3):
-        got = block(xh)
+    got = _call(block, xh)
     assert torch.equal(got, want) and _graphs(block).replays == before + 1
 
 
@@ -143,8 +144,7 @@ def test_device_or_dtype_change_drops_the_graphs(device, graphs_here):
 def test_settings_are_part_of_the_key(device, graphs_here):
     block = _block(device, shared=False)
     x = _inputs(device, 1)[0]
-    for _ in range(3):
-        block(x)
+    _call(block, x)
     block.k0 = 1
     with graph_policy(enabled=False):
         want = block(x)
@@ -157,27 +157,22 @@ def test_no_graph_when_not_allowed(device, graphs_here):
     eager."""
     x = _inputs(device, 1)[0]
     block = _block(device, shared=True)
-    for _ in range(3):  # grad enabled, but nothing requires grad: graphs allowed
-        block(x)
+    _call(block, x)  # grad enabled, but nothing requires grad: graphs allowed
     assert len(_graphs(block)) == 1
     xg = x.clone().requires_grad_(True)
-    for _ in range(3):
-        block(xg)
+    _call(block, xg)
     assert len(_graphs(block)) == 1  # the requires-grad input never captured
     # the shared expert's linears ran inside the block's calls only: no graphs of their own
     assert len(_graphs(block.shared_gate_up)) == 0 and len(_graphs(block.shared_down)) == 0
     with torch.no_grad():
         strict = _block(device, shared=False, check_finite=True)
-        for _ in range(3):
-            strict(x)
+        _call(strict, x)
         assert len(_graphs(strict)) == 0
         with graph_policy(max_tokens=4):
-            for _ in range(3):
-                block(_inputs(device, 1, T=6)[0])
+            _call(block, _inputs(device, 1, T=6)[0])
         assert len(_graphs(block)) == 1
         with eager_calls():
-            for _ in range(3):
-                block(_inputs(device, 1, T=3)[0])
+            _call(block, _inputs(device, 1, T=3)[0])
         assert len(_graphs(block)) == 1
 
 

@@ -34,7 +34,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 from fp4moe import quantize  # noqa: E402
 from fp4moe.checkpoints import CheckpointError, write_checkpoint  # noqa: E402
@@ -46,6 +46,7 @@ from fp4moe.integrations.transformers.e2e import (  # noqa: E402
     run_e2e,
 )
 from fp4moe.nn import FP4Linear  # noqa: E402
+from checkpoint_cases import copy_with  # noqa: E402
 
 FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
 NEW_TOKENS = 4
@@ -157,45 +158,20 @@ def test_gpt_oss_mxfp4_checkpoint(tmp_path):
 # bad input: clear errors, nothing returned half-loaded
 
 
-@pytest.fixture(scope="module")
-def qwen_checkpoint(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("qwen")
-    build_model("qwen3_moe", "tiny", seed=6).save_pretrained(root / "bf16")
-    write_checkpoint(root / "bf16", root / "q", progress=False)
-    return root
-
-
-def _copy_with(src: Path, dst: Path, *, drop: str | None = None, add: dict | None = None,
-               config: dict | None = None) -> Path:
-    dst.mkdir()
-    tensors = load_file(src / "model.safetensors")
-    if drop:
-        del tensors[drop]
-    tensors.update(add or {})
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(config or {})
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for extra in ("hf_quant_config.json",):
-        if (src / extra).exists():
-            (dst / extra).write_text((src / extra).read_text())
-    return dst
-
-
 def test_missing_tensor_is_named(qwen_checkpoint, tmp_path):
-    bad = _copy_with(qwen_checkpoint / "q", tmp_path / "bad", drop="model.norm.weight")
+    bad = copy_with(qwen_checkpoint / "q", tmp_path / "bad", drop="model.norm.weight")
     with pytest.raises(CheckpointError, match=r"missing tensor 'model\.norm\.weight', expected \[64\]"):
         load_fp4_model(bad, device="cpu")
 
 
 def test_missing_expert_is_named(qwen_checkpoint, tmp_path):
-    bad = _copy_with(qwen_checkpoint / "q", tmp_path / "bad", drop="model.layers.1.mlp.experts.3.up_proj.weight")
+    bad = copy_with(qwen_checkpoint / "q", tmp_path / "bad", drop="model.layers.1.mlp.experts.3.up_proj.weight")
     with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight'"):
         load_fp4_model(bad, device="cpu")
 
 
 def test_extra_tensor_is_named(qwen_checkpoint, tmp_path):
-    bad = _copy_with(qwen_checkpoint / "q", tmp_path / "bad",
+    bad = copy_with(qwen_checkpoint / "q", tmp_path / "bad",
                      add={"model.layers.0.mlp.bonus.weight": torch.zeros(4, 4, dtype=torch.bfloat16)})
     with pytest.raises(CheckpointError, match=r"extra tensor 'model\.layers\.0\.mlp\.bonus\.weight' BF16\[4, 4\]: "
                                               "Qwen3MoeForCausalLM has no parameter"):
@@ -203,11 +179,11 @@ def test_extra_tensor_is_named(qwen_checkpoint, tmp_path):
 
 
 def test_shape_that_disagrees_with_the_config_is_named(qwen_checkpoint, tmp_path):
-    bad = _copy_with(qwen_checkpoint / "q", tmp_path / "bad", config={"vocab_size": 100})
+    bad = copy_with(qwen_checkpoint / "q", tmp_path / "bad", config={"vocab_size": 100})
     with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight': expected shape \[100, 64\] .*found "
                                               r"BF16\[128, 64\]"):
         load_fp4_model(bad, device="cpu")
-    bad = _copy_with(qwen_checkpoint / "q", tmp_path / "bad2", config={"num_local_experts": 6})
+    bad = copy_with(qwen_checkpoint / "q", tmp_path / "bad2", config={"num_local_experts": 6})
     with pytest.raises(CheckpointError, match="expected 6 experts of intermediate 32 and hidden 64 .*found 8"):
         load_fp4_model(bad, device="cpu")
 

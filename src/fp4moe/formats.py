@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "e4m3_to_e5m3",
+    "invalid_scale_codes",
     "e5m3_to_e4m3",
     "FP4Format",
     "NVFP4",
@@ -165,6 +166,18 @@ def e4m3_decode_bits(bits: torch.Tensor) -> torch.Tensor:
 def e4m3_is_nan(bits: torch.Tensor) -> torch.Tensor:
     """Which E4M3 bit patterns (uint8) are NaN: 0x7F and 0xFF (``float8_e4m3fn`` has no infinity)."""
     return (bits & 0x7F) == 0x7F
+
+
+def invalid_scale_codes(bits: torch.Tensor, scale_kind: str) -> torch.Tensor:
+    """Which stored block-scale codes (uint8) no FP4 weight may hold: for E4M3 (NVFP4) the NaN
+    codes 0x7F, 0xFF and the negative ones (sign bit set; -0 = 0x80 is a zero scale), for E8M0
+    (MXFP4) the NaN code 0xFF. The kernels decode such codes as numbers ``dequantize`` does not
+    (an E4M3 NaN as 480, a negative scale without its sign)."""
+    if scale_kind == "e4m3":
+        return e4m3_is_nan(bits) | (bits > 0x80)
+    if scale_kind == "e8m0":
+        return bits == 0xFF
+    raise ValueError(f"scale_kind: expected 'e4m3' or 'e8m0', got {scale_kind!r}")
 
 
 def e4m3_to_e5m3(bits: torch.Tensor) -> torch.Tensor:

@@ -280,20 +280,10 @@ class FP4MoE(nn.Module):
                   shared_down: torch.Tensor | None = None, **kwargs) -> FP4MoE:
         """Quantize a bf16 MoE block: expert weights [E, 2I, H] and [E, H, I] (one global per expert),
         optional shared expert weights [2Is, H] and [H, Is]."""
-        for name, t in (("w13", w13), ("w2", w2)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                raise ValueError(f"{name}: expected stacked expert weights [E, N, K], got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-        if w13.shape[0] == 0 or w2.shape[0] == 0:
-            raise ValueError(f"w13, w2: expected at least one expert, got w13 {tuple(w13.shape)} and w2 "
-                             f"{tuple(w2.shape)} (E = 0)")
-        if (shared_gate_up is None) != (shared_down is None):
-            raise ValueError("shared_gate_up and shared_down: give both or neither")
-        q13, q2 = quantize_stacked(w13.detach(), fmt), quantize_stacked(w2.detach(), fmt)
-        sgu = sd = None
-        if shared_gate_up is not None:
-            sgu = FP4Linear.from_fp4(quantize(shared_gate_up.detach(), fmt))
-            sd = FP4Linear.from_fp4(quantize(shared_down.detach(), fmt))
+        q13, q2 = quantize_stacked(w13, fmt, name="w13"), quantize_stacked(w2, fmt, name="w2")
+        # each part alone: the constructor says what is wrong with a shared expert given half
+        sgu = None if shared_gate_up is None else FP4Linear.from_fp4(quantize(shared_gate_up.detach(), fmt))
+        sd = None if shared_down is None else FP4Linear.from_fp4(quantize(shared_down.detach(), fmt))
         return cls(router_weight, q13, q2, routing, shared_gate_up=sgu, shared_down=sd, **kwargs)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -229,13 +229,14 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tenso
     return out.reshape(t.shape).to(dtype)
 
 
-def quantize_stacked(w: torch.Tensor, fmt: str | FP4Format = "nvfp4") -> FP4Tensor:
+def quantize_stacked(w: torch.Tensor, fmt: str | FP4Format = "nvfp4", *, name: str = "w") -> FP4Tensor:
     """Quantize stacked matrices [E, N, K] (expert weights) each with its own global scale ([E, 1]):
-    element for element what ``quantize(w[e])`` gives for each e."""
+    element for element what ``quantize(w[e])`` gives for each e. ``name`` is the tensor's in errors."""
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
-        raise ValueError(f"w: expected stacked matrices [E, N, K], got {getattr(w, 'shape', type(w).__name__)}")
+        raise ValueError(f"{name}: expected stacked matrices [E, N, K], got {getattr(w, 'shape', type(w).__name__)}")
     if w.shape[0] == 0:
-        raise ValueError(f"w: expected at least one matrix (E >= 1), got shape {tuple(w.shape)}")
+        raise ValueError(f"{name}: expected at least one matrix (E >= 1), got shape {tuple(w.shape)}")
+    w = w.detach()
     parts = [quantize(w[e], fmt) for e in range(w.shape[0])]
     fmt = get_format(fmt)
     gs = torch.stack([p.global_scale.reshape(1) for p in parts]) if fmt.has_global_scale else None

@@ -20,8 +20,6 @@ are O(1)) is called on ``CALLS`` different inputs, timed together:
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -64,24 +62,6 @@ def random_block(model: str, *, device="cuda", seed: int = 0):
     return FP4MoE(router, w13, w2, spec.routing, shared_expert=shared, **kw).to(device)
 
 
-def _event_time_us(fn, reps: int) -> tuple[float, float]:
-    """(median GPU-side µs of ``fn()`` from CUDA events, median host µs of launching it)."""
-    import torch
-
-    gpu, host = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t) * 1e6)
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(gpu), statistics.median(host)
-
-
 def run_calls_bench(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = DEFAULT_MS, *,
                     ceilings: Mapping[str, Any] | None = None, console: Console | None = None,
                     reps: int = 30) -> list[dict[str, Any]]:
@@ -89,10 +69,9 @@ def run_calls_bench(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = 
 
     from ..graphs import eager_calls, graph_policy
     from ..models import get_model
-    from ..ops.routing import route
     from .linear import bench_ceilings
     from .moe import moe_bound_us
-    from .timing import time_cuda_graph
+    from .timing import time_cuda_graph, time_plain_calls
 
     console = console or Console()
     ceilings = ceilings if ceilings is not None else bench_ceilings()
@@ -112,9 +91,7 @@ def run_calls_bench(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = 
                 with torch.no_grad():
                     unique = []
                     for x in xs:
-                        logits = torch.nn.functional.linear(x.reshape(M, -1).to(block.router_dtype or x.dtype),
-                                                            block.router_weight.to(block.router_dtype or x.dtype))
-                        ids = route(logits, block.routing, block.selection_bias).topk_ids
+                        ids = block.route(x.reshape(M, -1)).topk_ids
                         unique.append(int(torch.unique(ids[ids >= 0]).numel()))
                 row["unique_experts"] = sum(unique) / len(unique)
                 row["bound_us"] = moe_bound_us(row["unique_experts"], spec.hidden, spec.expert_intermediate, spec.fmt,
@@ -127,11 +104,11 @@ def run_calls_bench(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = 
                 with torch.no_grad():
                     calls()  # first calls: compile, guard probes, packs
                     with graph_policy(enabled=False):
-                        row["plain_no_graphs_us"] = _event_time_us(calls, reps)[0] / CALLS
+                        row["plain_no_graphs_us"] = time_plain_calls(calls, reps=reps)[0].median_us / CALLS
                     calls()
                     calls()  # the module's graphs captured
-                    gpu, host = _event_time_us(calls, reps)
-                    row["plain_us"], row["host_us"] = gpu / CALLS, host / CALLS
+                    stream, host = time_plain_calls(calls, reps=reps)
+                    row["plain_us"], row["host_us"] = stream.median_us / CALLS, host.median_us / CALLS
                     with eager_calls():  # the timing's warm-up calls run on a side stream: no graphs of their own
                         timed = time_cuda_graph(calls, iters_per_graph=2, reps=20)
                     if not timed.graph:
@@ -146,7 +123,7 @@ def run_calls_bench(models: Sequence[str] = DEFAULT_MODELS, ms: Sequence[int] = 
                 row["error"] = f"{type(err).__name__}: {one_line(str(err), 200)}"
             _progress(console, row)
             rows.append(row)
-        del block
+        block = None  # the next model's block is built in its memory
         torch.cuda.empty_cache()
     return rows
 

@@ -27,7 +27,6 @@ MoE and dense MLP modules ("other": embedding, norms, ``lm_head``, sampling).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -231,28 +230,12 @@ def step_bytes(model, batch: int, unique_experts: float) -> int:
     return total
 
 
-def _time_steps(advance, steps: int) -> float:
-    """Median µs of one ``advance()`` over ``steps`` steps timed together, three times."""
-    import torch
-
-    runs = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            advance()
-        end.record()
-        end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / steps)
-    return statistics.median(runs)
-
-
 def _measure(model, label: str, batches: Sequence[int], steps: int, prefill: int, gen, console: Console,
              unique: dict[int, float]) -> list[dict[str, Any]]:
     import torch
 
     from ..integrations.transformers.decode import DecodeGraphs
+    from .timing import time_plain_calls
 
     vocab = model.config.vocab_size
     rows = []
@@ -271,7 +254,7 @@ def _measure(model, label: str, batches: Sequence[int], steps: int, prefill: int
                 if runner.state.failed:
                     row["graph_error"] = one_line(runner.state.failed, 200)
                 else:
-                    row["graph_step_us"] = _time_steps(runner.advance, steps)
+                    row["graph_step_us"] = time_plain_calls(runner.advance, calls=steps)[0].median_us
                 # the same step, eager, for the expert count and the per-part profile
                 runner.prefill(ids, 4)
                 if label == "fp4moe":
@@ -285,17 +268,12 @@ def _measure(model, label: str, batches: Sequence[int], steps: int, prefill: int
             with torch.no_grad():
                 model.generate(ids, max_new_tokens=4, min_new_tokens=4, **gen_kw)  # warm-up
                 model.generate(ids, max_new_tokens=4 + steps, min_new_tokens=4 + steps, **gen_kw)
-                t = []
-                for n in (4, 4 + steps):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kw)
-                    torch.cuda.synchronize()
-                    t.append(time.perf_counter() - t0)
+                t = [time_plain_calls(lambda n=n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, **gen_kw),
+                                      reps=1)[0].median_us for n in (4, 4 + steps)]
             if t[1] <= t[0]:
-                raise RuntimeError(f"generate of {4 + steps} tokens took no longer than of 4 ({t[1]:.4f} s, "
-                                   f"{t[0]:.4f} s): too few --steps to time")
-            row["plain_step_us"] = (t[1] - t[0]) / steps * 1e6
+                raise RuntimeError(f"generate of {4 + steps} tokens took no longer than of 4 ({t[1]:.0f} µs, "
+                                   f"{t[0]:.0f} µs): too few --steps to time")
+            row["plain_step_us"] = (t[1] - t[0]) / steps
             times = {k: row[f"{k}_step_us"] for k in ("graph", "plain") if row[f"{k}_step_us"]}
             row["best"] = min(times, key=times.get)
             row["tokens_per_s"] = B / (times[row["best"]] * 1e-6)
@@ -315,7 +293,7 @@ def _measure(model, label: str, batches: Sequence[int], steps: int, prefill: int
             with torch.no_grad():
                 run = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
                 run()
-                row["us"] = _time_steps(run, 2)
+                row["us"] = time_plain_calls(run, calls=2)[0].median_us
             row["tokens_per_s"] = prefill / (row["us"] * 1e-6)
         except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {one_line(str(err), 200)}"

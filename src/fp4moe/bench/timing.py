@@ -27,6 +27,7 @@ __all__ = [
     "summarize",
     "time_cuda_graph",
     "time_cuda_graphs",
+    "time_plain_calls",
     "ClockMonitor",
     "rotation_count",
     "rotating",
@@ -78,6 +79,32 @@ def _timed(run: Callable[[], Any], reps: int) -> list[float]:
         end.record()
     torch.cuda.synchronize()
     return [start.elapsed_time(end) for start, end in events]
+
+
+def time_plain_calls(fn: Callable[[], Any], *, calls: int = 1, reps: int = 3) -> tuple[TimingResult, TimingResult]:
+    """Per-call time of ``calls`` plain (eager) calls of ``fn`` made back to back, as a user makes
+    them: (what the stream takes, from CUDA events around the calls: the larger of host and GPU time;
+    the host time of making the calls, without the final synchronisation). The GPU is idle at the
+    start of each of the ``reps`` repetitions. No graph: this is the number a graph replay is held to."""
+    import time
+
+    import torch
+
+    if calls < 1 or reps < 1:
+        raise ValueError(f"calls, reps: expected >= 1, got {calls}, {reps}")
+    stream_us, host_us = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host_us.append((time.perf_counter() - t) * 1e6 / calls)
+        end.record()
+        end.synchronize()
+        stream_us.append(start.elapsed_time(end) * 1e3 / calls)
+    return summarize(stream_us, graph=False), summarize(host_us, graph=False)
 
 
 def time_cuda_graph(

@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from ..formats import MXFP4, NVFP4, e4m3_is_nan
+from ..formats import MXFP4, NVFP4, e4m3_is_nan, invalid_scale_codes
 from ..quantize import FP4Tensor
 from .errors import CheckpointError
 from .policy import match_exclude, module_of
@@ -547,8 +547,9 @@ class Checkpoint:
 
 def _check_e4m3_scales(scales: torch.Tensor, info: TensorInfo) -> None:
     bits = scales.view(torch.uint8)
-    nan = int(e4m3_is_nan(bits).sum())
-    negative = int(((bits & 0x80) != 0).sum()) - int((bits == 0x80).sum())
+    nan_codes = e4m3_is_nan(bits)
+    nan = int(nan_codes.sum())
+    negative = int((invalid_scale_codes(bits, "e4m3") & ~nan_codes).sum())
     if nan or negative:
         raise CheckpointError(f"{_where(info)}: {nan} NaN and {negative} negative E4M3 block scale(s): corrupted")
 

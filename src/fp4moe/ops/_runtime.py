@@ -94,13 +94,13 @@ def check_fp4_values(w, name: str = "w") -> None:
         raise ValueError(f"{name}: expected data, block scales and global scale on one device, found {found}")
     if w.data.device.type == "meta":
         return
+    from ..formats import invalid_scale_codes
+
     nvfp4 = w.fmt.scale_kind == "e4m3"
     bits = w.scales.reshape(-1).view(torch.uint8)
 
     def bad_scales(chunk: torch.Tensor) -> torch.Tensor:
-        if nvfp4:  # NaN (0x7F, 0xFF) or negative (sign bit set), -0 (0x80) allowed
-            return ((chunk & 0x7F) == 0x7F) | (chunk > 0x80)
-        return chunk == 0xFF
+        return invalid_scale_codes(chunk, w.fmt.scale_kind)
 
     flags = torch.zeros(2, dtype=torch.bool, device=bits.device)
     for i in range(0, bits.numel(), CHECK_CHUNK):

@@ -16,17 +16,15 @@ import torch
 from torch import nn
 
 from ...checkpoints.policy import quantize_decision
+from ...checkpoints.safetensors_io import dtype_name
 from ...nn import FP4Linear, GatedMLP
 from ...ops.linear import Mode
 from ...checkpoints.stacking import stack_experts
 from ...quantize import quantize
 from .families import family_for
-from .loader import FP4MoEBlock
+from .loader import FP4MoEBlock, fp4_block
 
 __all__ = ["quantize_model"]
-
-_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
-
 
 def _fp4_linear(linear: nn.Linear, fmt: str, mode: Mode) -> FP4Linear:
     return FP4Linear.from_linear(linear, fmt, mode=mode)
@@ -51,11 +49,9 @@ def _block(block: nn.Module, family, config, fmt: str, *, linears: bool, mode: M
         mlp = getattr(block, family.shared)
         parts = [getattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")]
         shared = GatedMLP(*[_fp4_linear(p, fmt, mode) if linears else p for p in parts])
-    return FP4MoEBlock(router.weight.detach().to(dtype), q13, q2, family.routing(config),
-                       router_bias=router.bias.detach().to(dtype) if family.router_bias else None,
-                       selection_bias=selection, activation=family.activation, shared_expert=shared,
-                       router_dtype=torch.float32 if family.router_fp32 else None, mode=mode, k0=k0,
-                       returns_tuple=family.returns_tuple, family=family.name)
+    return fp4_block(family, config, router.weight.detach().to(dtype), q13, q2,
+                     router_bias=router.bias.detach().to(dtype) if family.router_bias else None,
+                     selection_bias=selection, shared_expert=shared, mode=mode, k0=k0)
 
 
 @torch.no_grad()
@@ -89,8 +85,7 @@ def quantize_model(model: nn.Module, fmt: str = "nvfp4", *, linears: bool = True
             if not isinstance(module, nn.Linear) or type(module) is not nn.Linear or name.startswith(in_block):
                 continue
             w = module.weight
-            decision = quantize_decision(f"{name}.weight", _DTYPE_NAMES.get(w.dtype, str(w.dtype)), tuple(w.shape),
-                                         exclude)
+            decision = quantize_decision(f"{name}.weight", dtype_name(w.dtype), tuple(w.shape), exclude)
             if decision.quantize:
                 model.set_submodule(name, _fp4_linear(module, fmt, mode))
     if torch.cuda.is_available():

@@ -209,10 +209,17 @@ def time_moe_layers(blocks: dict[str, nn.Module], hidden: int, tokens: int, devi
 
 
 @torch.no_grad()
-def _time_generate(model, ids: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+def _time_generate(model, ids: torch.Tensor, new_tokens: int, *, graphs: bool = False) -> tuple[torch.Tensor, float]:
+    """The new tokens of a greedy generate and its seconds: ``model.generate``, or with ``graphs``
+    ``decode.generate`` (each decode step one CUDA graph)."""
+    from .decode import generate
+
     _sync(ids.device)
     t = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if graphs:
+        out = generate(model, ids, new_tokens)
+    else:
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     _sync(ids.device)
     return out[:, ids.shape[1]:], time.perf_counter() - t
 
@@ -299,8 +306,6 @@ def run_e2e(family: str = "qwen3_moe", size: Size = "tiny", *, workdir: str | Pa
 
 def _timing(model, fp4, family: str, ids: torch.Tensor, new_tokens: int, tokens: tuple[int, ...],
             device: torch.device) -> dict[str, Any]:
-    from .decode import generate as graph_generate
-
     out: dict[str, Any] = {"note": "median of 20 after a warm-up; MoE layers: all MoE blocks of the model, one "
                                    "forward each, unit-RMS random inputs; generate: model.generate as users call it "
                                    "(fp4moe's modules replay graphs of their own calls), generate_graphs: "
@@ -314,12 +319,9 @@ def _timing(model, fp4, family: str, ids: torch.Tensor, new_tokens: int, tokens:
         experts = getattr(m.config, "_experts_implementation", None)
         m.config._experts_implementation = "grouped_mm"  # transformers' capturable experts (bf16)
         try:
-            graph_generate(m, ids, new_tokens)  # warm-up and capture
-            _sync(device)
-            t = time.perf_counter()
-            graph_generate(m, ids, new_tokens)
-            _sync(device)
-            out[f"generate_graphs_tokens_per_s_{name}"] = gen_tokens / (time.perf_counter() - t)
+            _time_generate(m, ids, new_tokens, graphs=True)  # warm-up and capture
+            _, secs = _time_generate(m, ids, new_tokens, graphs=True)
+            out[f"generate_graphs_tokens_per_s_{name}"] = gen_tokens / secs
         finally:
             m.config._experts_implementation = experts
     hidden = model.config.hidden_size

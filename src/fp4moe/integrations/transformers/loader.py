@@ -242,11 +242,22 @@ def _build_block(ckpt: Checkpoint, prefix: str, family: MoEFamily, config, dtype
         parts = [_linear(ckpt, m, dtype, fp4=fp4_linears, mode=mode) if m in quantized else _plain_linear(ckpt, m, dtype)
                  for m in (f"{prefix}.{family.shared}.{p}" for p in _SHARED_PROJ)]
         shared = GatedMLP(*parts)
-    return FP4MoEBlock(router_weight, ex.w13, ex.w2, family.routing(config), router_bias=router_bias,
-                       selection_bias=selection, activation=family.activation,
-                       interleaved=ex.layout == "interleaved",
-                       w13_bias=None if ex.w13_bias is None else ex.w13_bias.to(dtype),
-                       w2_bias=None if ex.w2_bias is None else ex.w2_bias.to(dtype), shared_expert=shared,
+    return fp4_block(family, config, router_weight, ex.w13, ex.w2, router_bias=router_bias, selection_bias=selection,
+                     shared_expert=shared, interleaved=ex.layout == "interleaved",
+                     w13_bias=None if ex.w13_bias is None else ex.w13_bias.to(dtype),
+                     w2_bias=None if ex.w2_bias is None else ex.w2_bias.to(dtype), mode=mode, k0=k0)
+
+
+def fp4_block(family: MoEFamily, config, router_weight: torch.Tensor, w13, w2, *, mode: Mode, k0: int | None,
+              router_bias: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None,
+              shared_expert: nn.Module | None = None, interleaved: bool = False,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None) -> FP4MoEBlock:
+    """The ``FP4MoEBlock`` of ``family`` (its routing, activation, router dtype and return form) on
+    these parts: what a checkpoint's block (``_build_block``) and an in-memory one
+    (``convert.quantize_model``) become."""
+    return FP4MoEBlock(router_weight, w13, w2, family.routing(config), router_bias=router_bias,
+                       selection_bias=selection_bias, activation=family.activation, interleaved=interleaved,
+                       w13_bias=w13_bias, w2_bias=w2_bias, shared_expert=shared_expert,
                        router_dtype=torch.float32 if family.router_fp32 else None, mode=mode, k0=k0,
                        returns_tuple=family.returns_tuple, family=family.name)
 
