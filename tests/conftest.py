@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def device() -> str:
-    """Where kernels run in this session: the GPU when there is one, else the interpreter on CPU."""
+    """Where kernels run in this test run: the GPU when there is one, else the interpreter on CPU."""
     return "cuda" if HAS_CUDA else "cpu"
 
 

@@ -34,7 +34,7 @@ def packed_linear_case(fmt, M, N, K):
     """(x [M, K] bf16, the weight [N, K] in ``fmt``, its MMA-order pack, a bf16 bias, the reference
     output in fp32) on the GPU, from seed 0."""
     from fp4moe.ops.linear import fp4_linear_reference
-    from fp4moe.ops.mma_layout import pack_mma
+    from fp4moe.ops.mma_pack import pack_mma
     from fp4moe.quantize import quantize
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Tests of the GPU catalogue (fp4moe.arch). All run on CPU."""
+"""Tests of the GPU catalogue (fp4moe.target). All run on CPU."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from fp4moe import arch as arch_mod
-from fp4moe.arch import (
+from fp4moe.target import resolve as arch_mod
+from fp4moe.target import (
     ARCHS,
     GPUS,
     GPU,
@@ -498,7 +498,7 @@ def test_as_dict_rejects_other_objects():
 def test_sustained_rates_are_the_measured_fractions_of_the_datasheet():
     """What the planner's time model takes as reachable: the H200's copy bandwidth (4,257 of 4,800
     GB/s) and torch's bf16 matmul rate (~711 of 989 TFLOP/s), as fractions applied to every product."""
-    from fp4moe.arch import GPU, find_gpu
+    from fp4moe.target import GPU, find_gpu
 
     h200 = find_gpu("h200")
     assert abs(h200.sustained_bandwidth_gbs - 4257) < 5

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from fp4moe.arch import ARCHS, emulation_gaps
+from fp4moe.target import ARCHS, emulation_gaps
 from fp4moe.ops import _runtime
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
@@ -118,7 +118,7 @@ def test_cross_compilation_ignores_an_override(monkeypatch):
     sm80's mma.sync, through ``cross_compile`` and from the worker given that environment."""
     from fp4moe.plan.crosscompile import cross_compile
     from fp4moe.plan.space import LinearProblem, get_kernel
-    from fp4moe.arch import get_arch
+    from fp4moe.target import get_arch
 
     spec = get_kernel("fp4_linear")
     problem = LinearProblem(M=256, N=256, K=256, fmt="nvfp4", mode="w4a16")

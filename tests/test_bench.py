@@ -10,7 +10,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from fp4moe.bench import roofline as rl
+from fp4moe.target import roofline as rl
 from fp4moe.bench.cli import NO_GPU, bench_app, parse_ms, parse_modes, parse_shapes
 from fp4moe.bench.linear import linear_metrics
 from fp4moe.bench.report import environment, gpu_slug, markdown, one_line, write_results

@@ -17,7 +17,7 @@ import torch
 
 from fp4moe.formats import E2M1_VALUES, e4m3_to_e5m3
 from fp4moe.kernels.linear_mma import DECODE_ASMS, FOLD_E4M3, FOLD_E8M0, decode_asm, scale_asm
-from fp4moe.ops.mma_layout import WORD_ORDERS, pack_words, word_codes
+from fp4moe.ops.mma_pack import WORD_ORDERS, pack_words, word_codes
 from ptx_interp import INSTRUCTIONS, bf16_to_float, instructions_of, run_ptx
 
 # output k of the decode holds value VALUE[k] of its word; outputs 0, 1, 4, 5 use the first scale pair

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from fp4moe.tuning import tuning
 from fp4moe.ops.dispatch import (
     DispatchConfig,
     DispatchPlan,
@@ -128,20 +129,20 @@ def test_dispatch_matches_reference(case, config, device):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c.T}_k{c.k}_E{c.E}_m{c.block_m}_{c.pattern}")
-def test_block_chain_with_and_without_the_place_kernel(case, monkeypatch, device):
+def test_block_chain_with_and_without_the_place_kernel(case, device):
     """The block path places its pairs in one launch after the histograms where the blocks are few
-    (``PLACE_MAX_BLOCKS``), else through scan, tiles and scatter: both give the reference's plan
-    (with 16-pair blocks, T=33 x k=8 makes 17 blocks: the place kernel reads the histograms in
-    two rounds of ``PLACE_BLOCK_B``)."""
+    (``DispatchTuning.place_max_blocks``), else through scan, tiles and scatter: both give the
+    reference's plan (with 16-pair blocks, T=33 x k=8 makes 17 blocks: the place kernel reads the
+    histograms in two passes of ``DispatchTuning.place_block_b``)."""
     from fp4moe.ops import dispatch as dispatch_ops
 
     ids = _ids(case).to(device)
     ref = dispatch_reference(ids, case.E, case.block_m)
     assert dispatch_ops.uses_place_kernel(ids.numel(), BLOCKS.block_p)
     assert_same_plan(dispatch(ids, case.E, case.block_m, config=BLOCKS), ref)
-    monkeypatch.setattr(dispatch_ops, "PLACE_MAX_BLOCKS", 0)
-    assert not dispatch_ops.uses_place_kernel(ids.numel(), BLOCKS.block_p)
-    assert_same_plan(dispatch(ids, case.E, case.block_m, config=BLOCKS), ref)
+    with tuning(dispatch=dict(place_max_blocks=0)):
+        assert not dispatch_ops.uses_place_kernel(ids.numel(), BLOCKS.block_p)
+        assert_same_plan(dispatch(ids, case.E, case.block_m, config=BLOCKS), ref)
 
 
 def test_routing_output_feeds_dispatch(device):
@@ -204,35 +205,35 @@ def test_class_tile_map_covers_its_experts_only(block_m, rows, device):
             tile_map(plan, 8, bad)
 
 
-def test_tile_maps_shared_out_over_many_programs(monkeypatch, device):
+def test_tile_maps_shared_out_over_many_programs(device):
     """The tile-map kernel's programs take the experts' tile steps and the -1 entries in turn: with
     16 tiles per program, an expert of 40 tiles (block_m = 1) spans 3 programs' steps, and a map
     mostly of -1 entries spreads them over several programs."""
-    from fp4moe.ops import dispatch as dispatch_ops
-
-    monkeypatch.setattr(dispatch_ops, "TILES_PER_PROGRAM", 16)
-    for case in (CASES[3], CASES[0], CASES[7], CASES[9]):
-        ids = _ids(case).to(device)
-        ref = dispatch_reference(ids, case.E, case.block_m)
-        plan = dispatch(ids, case.E, case.block_m, config=BLOCKS)
-        assert_same_plan(plan, ref)
-        for block_m, rows in ((1, None), (3, (0, 2)), (2, (2, 2**31 - 1))):
-            tiles = tile_map(plan, block_m, rows)
-            want = tile_map_reference(ref.expert_counts, ref.expert_offsets, case.T * case.k, block_m, rows)
-            for name in TILE_FIELDS:
-                assert torch.equal(getattr(tiles, name).cpu(), getattr(want, name)), (case, block_m, rows, name)
+    with tuning(dispatch=dict(tiles_per_program=16)):
+        for case in (CASES[3], CASES[0], CASES[7], CASES[9]):
+            ids = _ids(case).to(device)
+            ref = dispatch_reference(ids, case.E, case.block_m)
+            plan = dispatch(ids, case.E, case.block_m, config=BLOCKS)
+            assert_same_plan(plan, ref)
+            for block_m, rows in ((1, None), (3, (0, 2)), (2, (2, 2**31 - 1))):
+                tiles = tile_map(plan, block_m, rows)
+                want = tile_map_reference(ref.expert_counts, ref.expert_offsets, case.T * case.k, block_m, rows)
+                for name in TILE_FIELDS:
+                    assert torch.equal(getattr(tiles, name).cpu(), getattr(want, name)), (case, block_m, rows, name)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS) + ["chain"])
-def test_dispatch_writes_class_tile_maps(config, monkeypatch, device):
+def test_dispatch_writes_class_tile_maps(config, device):
     """``dispatch(classes=...)`` gives each class the map ``tile_map`` would: in the place kernel's
     launch for one or two classes, else a launch each (three classes, the one-program paths, the
     scan/tiles/scatter chain)."""
-    from fp4moe.ops import dispatch as dispatch_ops
-
     cfg = BLOCKS if config == "chain" else CONFIGS[config]
-    if config == "chain":
-        monkeypatch.setattr(dispatch_ops, "PLACE_MAX_BLOCKS", 0)
+    changes = dict(dispatch=dict(place_max_blocks=0)) if config == "chain" else {}
+    with tuning(**changes):
+        _check_class_tile_maps(cfg, device)
+
+
+def _check_class_tile_maps(cfg, device) -> None:
     sets = (((8, (0, 8)), (16, (8, 2**31 - 1))), ((4, (2, 5)),), ((2, (0, 1)), (4, (1, 3)), (8, (3, 2**31 - 1))))
     for case in (CASES[0], CASES[3], CASES[6], CASES[9]):
         ids = _ids(case).to(device)

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fp4moe.ops.mma_layout import WGMMA_MIN_M, WgmmaConfig, _x_pairs, choose_wgmma_config
+from fp4moe.ops.wgmma import WGMMA_MIN_M, WgmmaConfig, _x_pairs, choose_wgmma_config
 from fp4moe.quantize import quantize
 from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants,
                           run_compile_snippet)
@@ -75,19 +75,18 @@ def test_config_validation_and_choice():
 
 
 def test_moe_config_choice():
-    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.mma_sync import MMAConfig
     from fp4moe.ops.moe import mma_moe_config, wgmma_moe_config
 
-    from fp4moe.arch import get_arch
-    from fp4moe.ops.moe import WGMMA_MOE_MIN_ROWS, packed_moe_kernel
+    from fp4moe.target import get_arch
+    from fp4moe.ops.moe import packed_moe_kernel
+    from fp4moe.tuning import MoETuning
 
     assert mma_moe_config(3.0) == MMAConfig(rb=1, warps=4, kh=4, block_m=8, split_k=1)
     # past 4 rows per expert: 16-row tiles, two row blocks per warp share each x fragment
     assert mma_moe_config(8.0) == MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1)
     # few token-expert pairs (the experts' count given): K split in two, then two-warp programs
-    from fp4moe.ops.moe import FEW_PAIRS
-
-    assert FEW_PAIRS == (8, 16)
+    assert MoETuning().few_pairs == (8, 16)
     assert mma_moe_config(8 / 256, 256) == MMAConfig(rb=1, warps=4, kh=2, block_m=8, split_k=2)
     assert mma_moe_config(16 / 256, 256) == MMAConfig(rb=1, warps=2, kh=4, block_m=8, split_k=1)
     assert mma_moe_config(24 / 256, 256) == mma_moe_config(24 / 256) == mma_moe_config(3.0)
@@ -109,7 +108,7 @@ def test_moe_config_choice():
     # GEMM 2's pair rows: bf16 for bf16 outputs where K is not split, else fp32
     from fp4moe.ops import moe as moe_ops
 
-    assert moe_ops.MMA_PAIR_ROWS == "bf16"
+    assert MoETuning().pair_rows == "bf16"
     assert moe_ops.mma_pair_rows(mma_moe_config(8.0), 32, "bf16") == "bf16"
     assert moe_ops.mma_pair_rows(mma_moe_config(8.0), 32, "fp16") == "fp32"
     assert moe_ops.mma_pair_rows(mma_moe_gemm2_config(mma_moe_config(8 / 256, 256)), 32, "bf16") == "fp32"
@@ -121,7 +120,7 @@ def test_moe_config_choice():
         assert wgmma_moe_config(merged) == WgmmaConfig(block_m=128, stages=4, warps=4, tail_m=32, merge_tail=True)
     assert not wgmma_moe_config(160.1).merge_tail
     sm80, sm90 = get_arch("sm80"), get_arch("sm90")
-    assert packed_moe_kernel(sm90, WGMMA_MOE_MIN_ROWS, 4096, 6144, False) == "mma"
+    assert packed_moe_kernel(sm90, MoETuning().wgmma_min_rows, 4096, 6144, False) == "mma"
     assert packed_moe_kernel(sm90, 16.0, 4096, 6144, False) == "wgmma"
     assert packed_moe_kernel(sm90, 16.0, 4096, 6144, True) == "mma"  # interleaved gate/up: not on wgmma
     assert packed_moe_kernel(sm80, 16.0, 4096, 6144, False) == "mma"  # no wgmma: decode kernel to MAX_M
@@ -133,20 +132,21 @@ def test_moe_decode_heights_choice():
     """Experts averaging 4-8 rows: the 8-row configuration for the experts of at most 8 rows and the
     16-row one for the others, two launches per GEMM (``MMAHeights``); elsewhere one configuration."""
     from fp4moe.ops.dispatch import ALL_ROWS
-    from fp4moe.ops.mma_layout import MMAConfig
-    from fp4moe.ops.moe import (MMA_HEIGHTS_ROWS, MMA_HEIGHTS_X_STAGES, MMAHeights, mma_moe_config,
-                                mma_moe_layer_config)
+    from fp4moe.ops.mma_sync import MMAConfig
+    from fp4moe.ops.moe import MMAHeights, mma_moe_config, mma_moe_layer_config
+    from fp4moe.tuning import MoETuning
 
+    tune = MoETuning()
     small, large = mma_moe_config(1.0), mma_moe_config(8.0)
-    tall = replace(large, xs=MMA_HEIGHTS_X_STAGES)  # the tall class reads x through the shared-memory ring
-    assert (small.xs, large.xs, MMA_HEIGHTS_X_STAGES) == (0, 0, 2)
-    for rows in (4.1, 6.0, float(MMA_HEIGHTS_ROWS)):
+    tall = replace(large, xs=tune.heights_x_stages)  # the tall class reads x through the shared-memory ring
+    assert (small.xs, large.xs, tune.heights_x_stages) == (0, 0, 2)
+    for rows in (4.1, 6.0, float(tune.heights_rows)):
         cfg = mma_moe_layer_config(rows)
         assert cfg == MMAHeights(small, tall, 8) and cfg.block_m == 16 and cfg.split_k == 1
         assert cfg.classes() == ((small, (0, 8)), (tall, (8, ALL_ROWS)))
         assert str(cfg) == "mma_n64_m8_k256_w4+mma_n128_m16_k128_w4_xs2@8"
     assert mma_moe_layer_config(1.0) == small and mma_moe_layer_config(4.0) == small
-    assert mma_moe_layer_config(MMA_HEIGHTS_ROWS + 0.1) == large  # (SM80 up to MAX_M rows)
+    assert mma_moe_layer_config(tune.heights_rows + 0.1) == large  # (SM80 up to MAX_M rows)
     with pytest.raises(ValueError, match="shorter"):
         MMAHeights(large, small, 8)
     with pytest.raises(ValueError, match="split_k"):
@@ -209,7 +209,7 @@ def _mma_order_reference(x: torch.Tensor, k_stored: int) -> torch.Tensor:
 def test_mma_order_rows_matches_the_weight_permutation(M, K, k_stored, gather):
     """The activation pass (interpreter) equals the reference permutation, which
     ``test_mma_order_is_the_pack_order`` ties to the packed weights; gathered rows of -1 are zero."""
-    from fp4moe.ops.mma_layout import mma_order_rows
+    from fp4moe.ops.wgmma import mma_order_rows
 
     torch.manual_seed(M)
     x = torch.randn(M, K, dtype=torch.bfloat16)
@@ -224,8 +224,9 @@ def test_mma_order_rows_matches_the_weight_permutation(M, K, k_stored, gather):
 def test_wgmma_launchers_check_their_buffers():
     """Bad buffers are refused before anything launches (CPU: the checks run first)."""
     from fp4moe.ops.dispatch import dispatch
-    from fp4moe.ops.mma_layout import (_x_desc, launch_grouped_wgmma, launch_linear_wgmma, mma_order_rows, pack_mma,
-                                       wgmma_compile_request)
+    from fp4moe.ops.mma_pack import pack_mma
+    from fp4moe.ops.mma_requests import wgmma_compile_request
+    from fp4moe.ops.wgmma import _x_desc, launch_grouped_wgmma, launch_linear_wgmma, mma_order_rows
     from fp4moe.ops.moe import mma_packed_experts, random_moe_problem
 
     persistent = WgmmaConfig(block_m=256, warps=8, repeats=1, persistent=True)
@@ -273,7 +274,7 @@ def test_mma_order_is_the_pack_order():
     value 4 i0 + 2 i2 + i1 -> row 8 i1 + g, MMA position 16 kl + 8 i2 + 2t + i0) gives the weight
     codes in exactly that order."""
     from fp4moe.formats import unpack_fp4
-    from fp4moe.ops.mma_layout import pack_mma, word_codes
+    from fp4moe.ops.mma_pack import pack_mma, word_codes
 
     torch.manual_seed(1)
     w = quantize(torch.randn(32, 192), "nvfp4")
@@ -291,9 +292,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from fp4moe.kernels import gemm_wgmma as G
-from fp4moe.ops.mma_layout import WgmmaConfig, wgmma_compile_request
+from fp4moe.ops.mma_requests import wgmma_compile_request
+from fp4moe.ops.wgmma import WgmmaConfig
 from fp4moe.plan.crosscompile import mma_instructions
-from fp4moe.plan.sass import count_hgmma, loop_local_memory_ops, sass_of_ptx, wgmma_register_hazards
+from fp4moe.plan.sass import count_hgmma, loop_local_memory_ops, wgmma_register_hazards
+from fp4moe.plan.worker import sass_of_ptx
 out = []
 fn = G.fp4_gemm_wgmma_kernel
 for gemm, warps, bm, stages, fmt, bias, repeats, tail, split, persistent, merge in json.loads(sys.argv[1]):
@@ -406,8 +409,8 @@ def test_cross_compiles_for_sm90():
     activations and weight words by TMA on mbarriers (no cp.async), inside the per-block
     shared-memory limit and exactly as the model (``wgmma_smem_terms``) says, and their SASS leaves
     in-flight wgmma registers alone; split-K launches request their first weights before their PDL wait."""
-    from fp4moe.arch import get_arch
-    from fp4moe.ops.mma_layout import wgmma_smem_terms
+    from fp4moe.target import get_arch
+    from fp4moe.ops.wgmma import wgmma_smem_terms
 
     results = run_compile_snippet(_COMPILE, WGMMA_CASES, timeout=1800)
     limit = get_arch("sm90").smem_per_block_optin
@@ -436,8 +439,9 @@ def test_ws_kernel_cross_compiles_for_sm90(fmt):
     MMA warps' 128 accumulators, the decode warpgroup's budget by setmaxnreg), inside the shared
     limit and at the model's bytes plus the partitions' little, with wgmma from shared memory on
     both sides (no decode into wgmma registers) and every copy by TMA."""
-    from fp4moe.arch import get_arch
-    from fp4moe.ops.mma_layout import wgmma_compile_request, ws_smem_terms
+    from fp4moe.target import get_arch
+    from fp4moe.ops.experimental import ws_smem_terms
+    from fp4moe.ops.mma_requests import wgmma_compile_request
     from fp4moe.plan.crosscompile import cross_compile
 
     cfgs = [WgmmaConfig(block_m=256, warps=8, repeats=1, ws=True), WgmmaConfig(block_m=64, warps=8, repeats=1,
@@ -475,7 +479,7 @@ needs_wgmma = pytest.mark.skipif(torch.cuda.is_available() and not _hopper(),
                                    (77, 512, 64), (130, 272, 1024),
                                    (300, 256, 320), (129, 128, 2880)])  # odd chunk counts: the loop's tail step
 def test_gpu_wgmma_linear_matches_reference(fmt, M, N, K):
-    from fp4moe.ops.mma_layout import launch_linear_wgmma
+    from fp4moe.ops.wgmma import launch_linear_wgmma
 
     configs = (WgmmaConfig(), WgmmaConfig(block_m=64, stages=3), WgmmaConfig(stages=6, group_m=2, warps=8),
                WgmmaConfig(block_m=256, warps=8, repeats=1), WgmmaConfig(block_m=256, warps=4, repeats=1, stages=3),
@@ -500,7 +504,8 @@ def test_gpu_split_k_with_pdl_is_bitwise_without(fmt, M, N, K, cfg, monkeypatch)
     graph replayed with new activations each time, and with x already in MMA order (no pass: the
     pack's first launch waits before any load, the next ones do not)."""
     from fp4moe.ops._runtime import pdl_enabled
-    from fp4moe.ops.mma_layout import launch_linear_wgmma, mma_order_rows, pack_mma
+    from fp4moe.ops.mma_pack import pack_mma
+    from fp4moe.ops.wgmma import launch_linear_wgmma, mma_order_rows
 
     assert pdl_enabled(torch.device("cuda")), "the H200 has PDL: without it this test compares plain launches"
     torch.manual_seed(0)
@@ -550,7 +555,8 @@ def test_gpu_persistent_programs_over_many_tiles(fmt, M, N, K, programs):
     across tile boundaries, odd chunk counts, K of exactly stages - 2 chunks."""
     from functools import partial
 
-    from fp4moe.ops.mma_layout import launch_linear_wgmma, pack_mma
+    from fp4moe.ops.mma_pack import pack_mma
+    from fp4moe.ops.wgmma import launch_linear_wgmma
 
     configs = [WgmmaConfig(block_m=256, warps=8, repeats=1, stages=s, persistent=True) for s in (3, 4)]
     check_packed_linear(partial(launch_linear_wgmma, max_programs=programs), configs, fmt, M, N, K)
@@ -596,7 +602,8 @@ def test_gpu_merged_tails_equal_separate_tails(fmt, H, I):
     tail tiles give, for expert row counts around the tile edges (none, a tail alone, a full tile,
     full + 1, full + tail_m, full + tail_m + 1, two full tiles and more)."""
     from fp4moe.ops.dispatch import dispatch
-    from fp4moe.ops.moe import _run_wgmma, fp4_moe_reference, mma_packed_experts, random_moe_problem
+    from fp4moe.ops.moe import fp4_moe_reference, mma_packed_experts, random_moe_problem
+    from fp4moe.ops.moe_packed import _run_wgmma
 
     counts = [0, 1, 32, 33, 127, 128, 129, 150, 160, 161, 200, 256, 257, 288, 289, 300]
     E = len(counts)
@@ -620,9 +627,10 @@ def test_gpu_merged_tails_equal_separate_tails(fmt, H, I):
 def test_linear_routing_per_architecture():
     """fp4_linear's choice for bf16 activations: mma.sync at decode everywhere, wgmma above it on
     SM90 only (split along K at small batches), the Triton kernel elsewhere and for native W4A4."""
-    from fp4moe.arch import get_arch
+    from fp4moe.target import get_arch
     from fp4moe.ops.linear import packed_config
-    from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
+    from fp4moe.ops.mma_sync import MMAConfig
+    from fp4moe.ops.wgmma import WgmmaConfig
 
     sm80, sm90, sm120 = get_arch("sm80"), get_arch("sm90"), get_arch("sm120")
     assert isinstance(packed_config("w4a16", sm80, 4, 4096, 4096), MMAConfig)

@@ -15,6 +15,7 @@ import torch
 from fp4moe.graphs import CallGraphs, GraphPolicy, current_graph_policy, eager_calls, graph_policy, set_graph_policy
 from fp4moe.models import Routing
 from fp4moe.nn import FP4Linear, FP4MoE
+from fp4moe.tuning import tuning
 
 SIGMOID = Routing("sigmoid_bias", top_k=2, n_group=2, topk_group=1, routed_scaling_factor=2.5)
 
@@ -150,6 +151,23 @@ def test_settings_are_part_of_the_key(device, graphs_here):
         want = block(x)
     assert torch.equal(block(x), want)
     assert _graphs(block).replays == 1  # the k0 = 1 call was a new shape of call, run eagerly
+
+
+@torch.no_grad()
+def test_tuning_is_part_of_the_key(device, graphs_here):
+    """A graph captured under one tuning record is not replayed under another (a tuning change may
+    change which kernels run): the call under the new record is a new shape of call, run eagerly;
+    back under the first record, its graph replays."""
+    block = _block(device, shared=False)
+    x = _inputs(device, 1)[0]
+    _call(block, x)
+    assert _graphs(block).replays == 1
+    with tuning(moe=dict(fused_swiglu=False), dispatch=dict(tiles_per_program=16)):
+        with graph_policy(enabled=False):
+            want = block(x)
+        assert torch.equal(block(x), want)
+        assert _graphs(block).replays == 1  # no replay of the graph captured under the defaults
+    assert torch.equal(block(x), want) and _graphs(block).replays == 2
 
 
 def test_no_graph_when_not_allowed(device, graphs_here):

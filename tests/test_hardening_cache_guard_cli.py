@@ -10,10 +10,12 @@ from typer.testing import CliRunner
 
 import fp4moe.plan.cache as cache_mod
 import fp4moe.plan.crosscompile as cc_mod
-from fp4moe import arch, guard
+from fp4moe import guard
+from fp4moe import target as arch
 from fp4moe.cli import _check_workdir, app, cli_terms
 from fp4moe.plan.cache import FORMAT, CompileCache
-from fp4moe.plan.crosscompile import CompiledKernel, CompileRequest, cross_compile
+from fp4moe.plan.crosscompile import CompiledKernel, cross_compile
+from fp4moe.target.compile_request import CompileRequest
 
 runner = CliRunner()
 
@@ -31,7 +33,7 @@ def fake_compiler(monkeypatch):
     """cross_compile's workers replaced by a counter: what a rebuild costs, without a compiler."""
     calls = []
 
-    def run_workers(requests, jobs, timeout_s):
+    def run_workers(requests, jobs, timeout_s, progress=None):
         calls.extend(requests)
         return [RESULT for _ in requests]
 

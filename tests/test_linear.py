@@ -9,6 +9,7 @@ import fp4moe
 from fp4moe import guard
 from fp4moe.guard import TOLERANCES
 from fp4moe.nn import FP4Linear
+from fp4moe.tuning import LinearTuning
 from fp4moe.ops.linear import LinearConfig, choose_config, compile_request, fp4_linear, fp4_linear_reference
 
 TOL = TOLERANCES["fp4_linear"]
@@ -234,7 +235,7 @@ def test_heuristic_spreads_decode_over_the_sms():
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compile_every_path():
     """W4A4 uses the block-scaled FP4 MMA on SM120/SM100; every path compiles for SM80/89/90."""
-    from fp4moe.arch import get_arch
+    from fp4moe.target import get_arch
     from fp4moe.plan.crosscompile import cross_compile
 
     requests, expect = [], []
@@ -284,7 +285,7 @@ def test_gpu_w4a4_on_packed_kernels(M, dtype, static):
     the Triton kernel's native path. The reference's numbers for bf16 and fp16 x, with a static or
     a per-call global scale, and replayed in a CUDA graph on new inputs."""
     from fp4moe.ops.linear import device_arch, packed_config, target_path
-    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.mma_sync import MMAConfig
 
     arch = device_arch(torch.device("cuda"))
     path = target_path("w4a4", arch)
@@ -329,17 +330,17 @@ def test_weight_dequantize_is_the_activation_dequantize(device):
 def test_dequant_matmul_path(device):
     """Large-batch W4A16 on SM90 (``dequant_matmul_applies``): the rule, and the computation (the
     exact bf16 weight, torch's matmul with the global scale as alpha, bias) against the reference."""
-    from fp4moe.arch import get_arch
+    from fp4moe.target import get_arch
     from fp4moe.ops import linear as L
 
     sm90 = get_arch("sm90")
-    assert L.dequant_matmul_applies("w4a16", sm90, L.DEQUANT_MATMUL_MIN_M, 12288, 6144, "nvfp4")
-    assert not L.dequant_matmul_applies("w4a16", sm90, L.DEQUANT_MATMUL_MIN_M - 1, 12288, 6144, "nvfp4")
+    assert L.dequant_matmul_applies("w4a16", sm90, LinearTuning().dequant_matmul_min_m, 12288, 6144, "nvfp4")
+    assert not L.dequant_matmul_applies("w4a16", sm90, LinearTuning().dequant_matmul_min_m - 1, 12288, 6144, "nvfp4")
     assert not L.dequant_matmul_applies("w4a16", sm90, 16384, 12288, 6144, "mxfp4")
     assert not L.dequant_matmul_applies("w4a4_emulated", sm90, 16384, 12288, 6144, "nvfp4")
     assert not L.dequant_matmul_applies("w4a16", get_arch("sm120"), 16384, 12288, 6144, "nvfp4")
     assert not L.dequant_matmul_applies("w4a16", get_arch("sm80"), 16384, 12288, 6144, "nvfp4")
-    too_big = L.DEQUANT_MATMUL_MAX_BYTES // 2 // 4096 + 16
+    too_big = LinearTuning().dequant_matmul_max_bytes // 2 // 4096 + 16
     assert not L.dequant_matmul_applies("w4a16", sm90, 16384, too_big, 4096, "nvfp4")
     torch.manual_seed(5)
     x = torch.randn(37, 336, device=device).to(torch.bfloat16)
@@ -383,14 +384,14 @@ def test_weight_global_host_follows_in_place_writes():
 
 @pytest.mark.gpu
 def test_gpu_large_batch_takes_dequant_matmul():
-    """On SM90, ``fp4_linear`` at ``DEQUANT_MATMUL_MIN_M`` rows and more runs the weight dequantized
-    to bf16 and torch's matmul (under its own guard key): the reference's numbers, bitwise repeatable,
+    """On SM90, ``fp4_linear`` at ``LinearTuning.dequant_matmul_min_m`` rows and more runs the weight
+    dequantized to bf16 and torch's matmul (under its own guard key): the reference's numbers, bitwise repeatable,
     replayed in a CUDA graph on new inputs, and under ``torch.compile``; below, the wgmma kernel."""
     from fp4moe.ops import linear as L
 
     if L.device_arch(torch.device("cuda")).bf16_mma != "wgmma":
         pytest.skip("the path is taken on SM90 only")
-    x, w, bias = _problem(Case(L.DEQUANT_MATMUL_MIN_M, 2048, 1024, ""), "nvfp4", "cuda")
+    x, w, bias = _problem(Case(LinearTuning().dequant_matmul_min_m, 2048, 1024, ""), "nvfp4", "cuda")
     guard.reset()
     out = fp4_linear(x, w, bias)
     assert_close(out, fp4_linear_reference(x, w, bias))
@@ -405,7 +406,7 @@ def test_gpu_large_batch_takes_dequant_matmul():
     compiled = torch.compile(lambda a: fp4_linear(a, w, bias), fullgraph=True)
     assert_close(compiled(x), fp4_linear_reference(x, w, bias))
     guard.reset()
-    fp4_linear(x[: L.DEQUANT_MATMUL_MIN_M - 1], w, bias)
+    fp4_linear(x[: LinearTuning().dequant_matmul_min_m - 1], w, bias)
     assert not any(k.kernel.startswith("fp4_linear_dequant_matmul[") for k in guard._checked)
     # an fp32 bias (which addmm would refuse with bf16 x) keeps the wgmma kernel
     guard.reset()

@@ -14,12 +14,13 @@ import itertools
 import pytest
 import torch
 
-from fp4moe.arch import get_arch
+from fp4moe.target import get_arch
 from fp4moe.formats import MXFP4, NVFP4
 from fp4moe.formats import e4m3_to_e5m3, e5m3_to_e4m3
-from fp4moe.ops.mma_layout import (MMAConfig, choose_mma_config, pack_mma,
-                                   unpack_mma)
+from fp4moe.ops.mma_pack import pack_mma, unpack_mma
+from fp4moe.ops.mma_sync import MMAConfig, choose_mma_config
 from fp4moe.quantize import FP4Tensor, dequantize, quantize
+from fp4moe.tuning import current_tuning, tuning
 from layer_checks import (FMTS, check_fp4linear_graph, check_moe_layer, check_packed_linear, moe_variants,
                           packed_linear_case, run_compile_snippet)
 from ptx_interp import bf16_to_float, run_ptx
@@ -37,14 +38,12 @@ def _weights(N, K, fmt, seed=0):
 
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 @pytest.mark.parametrize("N,K", [(16, 64), (64, 256), (40, 192), (33, 128), (200, 1024)])
-def test_pack_round_trip(fmt, N, K, monkeypatch):
-    from fp4moe.ops import mma_layout
-
-    monkeypatch.setattr(mma_layout, "PACK_ROWS", 48)  # several steps, one ending off a 16-row block
-    w = _weights(N, K, fmt)
-    p = pack_mma(w)
-    assert p.words.shape == (-(-N // 16), -(-K // 64), 32, 4) and p.words.dtype == torch.int32
-    assert torch.equal(dequantize(unpack_mma(p)), dequantize(w))
+def test_pack_round_trip(fmt, N, K):
+    with tuning(linear=dict(pack_rows=48)):  # several steps, one ending off a 16-row block
+        w = _weights(N, K, fmt)
+        p = pack_mma(w)
+        assert p.words.shape == (-(-N // 16), -(-K // 64), 32, 4) and p.words.dtype == torch.int32
+        assert torch.equal(dequantize(unpack_mma(p)), dequantize(w))
 
 
 def test_scale_codes_cover_e4m3_exactly():
@@ -109,7 +108,7 @@ def test_weights_before_the_pdl_wait_only_after_a_packs_first_launch():
     """The launchers' shared rule (``_weights_before_wait``): a PDL mode that reads weights before its
     wait (2, 3) waits first (1) on a pack's first launch, then keeps its mode; modes 0 and 1 pass
     unchanged and do not count as that first launch; packs are counted apart."""
-    from fp4moe.ops.mma_layout import _weights_before_wait
+    from fp4moe.ops.mma_pack import _weights_before_wait
 
     w = quantize(torch.randn(32, 64), NVFP4)
     p, q = pack_mma(w), pack_mma(w)
@@ -121,7 +120,7 @@ def test_weights_before_the_pdl_wait_only_after_a_packs_first_launch():
 def test_choose_mma_config():
     """Decode splits K over warp groups of one program (one launch, PDL on SM90+), every program
     resident at once, each warp at least two loop steps; K too short for that: the grid split."""
-    from fp4moe.ops.mma_layout import KW_REGISTERS, KW_REGISTERS_XC, _fit_kw
+    from fp4moe.ops.mma_sync import KW_REGISTERS, KW_REGISTERS_XC, _fit_kw
 
     for M, N, K in [(1, 12288, 6144), (16, 12288, 6144), (3, 6144, 2048), (9, 4096, 6144), (1, 6144, 12288),
                     (16, 6144, 2048), (1, 200, 1024)]:
@@ -212,7 +211,7 @@ def test_choose_mma_config():
 
 
 def test_fit_kw_gives_every_slice_whole_steps():
-    from fp4moe.ops.mma_layout import _fit_kw
+    from fp4moe.ops.mma_sync import _fit_kw
 
     assert _fit_kw(MMAConfig(kh=4, kw=8, warps=1), 96) == (4, 8)
     assert _fit_kw(MMAConfig(kh=4, kw=8, warps=1), 5) == (1, 1)  # K = 320: one chunk per step, one slice
@@ -224,7 +223,8 @@ def test_fit_kw_gives_every_slice_whole_steps():
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_kw_register_table_matches_ptxas():
     """``KW_REGISTERS`` (the decode heuristic's occupancy model) is what ptxas gives for sm_90."""
-    from fp4moe.ops.mma_layout import KW_REGISTERS, mma_compile_request
+    from fp4moe.ops.mma_requests import mma_compile_request
+    from fp4moe.ops.mma_sync import KW_REGISTERS
     from fp4moe.plan.crosscompile import cross_compile
 
     keys = sorted(KW_REGISTERS)
@@ -237,7 +237,8 @@ def test_kw_register_table_matches_ptxas():
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_kw_xc_register_table_matches_ptxas():
     """``KW_REGISTERS_XC``: x read per chunk, as the heuristic launches it (8 tokens, PDL = 3)."""
-    from fp4moe.ops.mma_layout import KW_REGISTERS_XC, mma_compile_request
+    from fp4moe.ops.mma_requests import mma_compile_request
+    from fp4moe.ops.mma_sync import KW_REGISTERS_XC
     from fp4moe.plan.crosscompile import cross_compile
 
     keys = sorted(KW_REGISTERS_XC)
@@ -251,7 +252,8 @@ def test_kw_registers_hold_where_k_is_padded():
     """K padded to the 64-K chunk masks x's loads past K_X. The compile request declares K_X a
     multiple of 16, as the runtime specialises it (x's K is one of the format's blocks), so the
     loads stay 16-byte vectors and the registers are the tables' (without it ptxas gave 230 and 105)."""
-    from fp4moe.ops.mma_layout import KW_REGISTERS, KW_REGISTERS_XC, mma_compile_request
+    from fp4moe.ops.mma_requests import mma_compile_request
+    from fp4moe.ops.mma_sync import KW_REGISTERS, KW_REGISTERS_XC
     from fp4moe.plan.crosscompile import cross_compile
 
     cases = [(False, 1, 4, 4, False), (False, 1, 4, 8, False), (False, 1, 4, 4, True), (True, 1, 4, 8, True)]
@@ -269,7 +271,7 @@ def test_kw_x_ahead_compiles_without_spills():
     registers and spills 18 bytes, outside the K loop (measured, Triton 3.6)."""
     from dataclasses import replace
 
-    from fp4moe.ops.mma_layout import mma_compile_request
+    from fp4moe.ops.mma_requests import mma_compile_request
     from fp4moe.plan.crosscompile import cross_compile
 
     base = MMAConfig(rb=1, warps=1, kh=4, block_m=16, kw=4, pdl=2, xc=True)
@@ -346,7 +348,8 @@ def test_cross_compiles_without_shared_memory():
 _COMPILE_KW = r"""
 import dataclasses, json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
-from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
+from fp4moe.ops.mma_requests import mma_compile_request
+from fp4moe.ops.mma_sync import MMAConfig
 from fp4moe.plan.crosscompile import mma_instructions
 from fp4moe.plan.worker import _ptxas, compile_request
 out = []
@@ -386,7 +389,8 @@ def test_kw_kernel_cross_compiles_for_every_architecture():
 _COMPILE_XS = r"""
 import dataclasses, json, os, sys
 os.environ.pop("TRITON_INTERPRET", None)
-from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
+from fp4moe.ops.mma_requests import mma_compile_request
+from fp4moe.ops.mma_sync import MMAConfig
 from fp4moe.plan.worker import _ptxas, compile_request
 out = []
 for cc, name, kind in json.loads(sys.argv[1]):
@@ -431,7 +435,8 @@ def test_x_ring_cross_compiles():
 _COMPILE_PF = r"""
 import dataclasses, json, os, re, sys
 os.environ.pop("TRITON_INTERPRET", None)
-from fp4moe.ops.mma_layout import MMAConfig, mma_compile_request
+from fp4moe.ops.mma_requests import mma_compile_request
+from fp4moe.ops.mma_sync import MMAConfig
 from fp4moe.plan.worker import _ptxas, compile_request
 out = []
 for cc, name, K in json.loads(sys.argv[1]):
@@ -453,7 +458,7 @@ def test_l2_prefetch_ahead_cross_compiles():
     output) and two per row block in the loop, no spills, and for the one-row-block programs the
     heuristic gives it no more registers than ``KW_REGISTERS`` (the occupancy model) says. Before
     Hopper the request leaves it out (``cp.async.bulk`` is an SM90 instruction)."""
-    from fp4moe.ops.mma_layout import KW_REGISTERS
+    from fp4moe.ops.mma_sync import KW_REGISTERS
 
     cases = [(90, "mma_n16_m16_k256_w1_kw4_pdl2_xs2_pf2", 12288), (90, "mma_n16_m16_k256_w1_kw8_pdl2_xs2_pf3", 28672),
              (90, "mma_n32_m16_k256_w1_kw4_pdl_pf2", 6144), (120, "mma_n16_m16_k256_w1_kw4_pdl2_xs2_pf2", 12288),
@@ -479,7 +484,7 @@ def test_l2_prefetch_ahead_cross_compiles():
 @pytest.mark.parametrize("M,N,K", [(1, 64, 256), (3, 80, 320), (16, 200, 1024), (5, 48, 64), (13, 4096, 6144),
                                    (8, 6144, 2048), (1, 8192, 25600)])  # the last: the warps-first tie-break
 def test_gpu_kernel_matches_reference(fmt, M, N, K):
-    from fp4moe.ops.mma_layout import launch_linear_mma
+    from fp4moe.ops.mma_sync import launch_linear_mma
 
     configs = (choose_mma_config(M, N, K), MMAConfig(rb=2, warps=2, kh=2, block_m=16, split_k=3),
                MMAConfig(rb=1, warps=1, kh=1, block_m=8), MMAConfig(rb=2, warps=1, kh=2, block_m=16, kw=4, pdl=2),
@@ -507,7 +512,7 @@ def test_gpu_x_per_chunk_is_bitwise_the_step_form(fmt, M, N, K, pad):
     from dataclasses import replace
 
     from fp4moe.ops.linear import fp4_linear_reference
-    from fp4moe.ops.mma_layout import launch_linear_mma
+    from fp4moe.ops.mma_sync import launch_linear_mma
 
     torch.manual_seed(0)
     x = torch.randn(M, K + pad, device="cuda", dtype=torch.bfloat16)[:, :K]
@@ -537,7 +542,8 @@ def test_gpu_rotation_order_is_bitwise_the_nibble_order(fmt):
     output on every kernel that decodes the pack: the decode kernel's one-launch and grid-split
     forms, the 16-row tile with x through the ring, and the wgmma kernel (8 tokens and 256)."""
     from fp4moe.ops.linear import fp4_linear_reference
-    from fp4moe.ops.mma_layout import WgmmaConfig, launch_linear_mma, launch_linear_wgmma
+    from fp4moe.ops.mma_sync import launch_linear_mma
+    from fp4moe.ops.wgmma import WgmmaConfig, launch_linear_wgmma
 
     torch.manual_seed(0)
     N, K = 384, 1024
@@ -576,7 +582,7 @@ def test_gpu_l2_prefetch_ahead_is_bitwise_without(fmt, M, N, K):
     and a pack's first launch, and the heuristic's own choice."""
     from dataclasses import replace
 
-    from fp4moe.ops.mma_layout import launch_linear_mma
+    from fp4moe.ops.mma_sync import launch_linear_mma
 
     x, _, p, bias, ref = packed_linear_case(fmt, M, N, K)
     chosen = choose_mma_config(M, N, K, fmt=fmt, l2_bytes=60 << 20)
@@ -599,7 +605,8 @@ def test_gpu_x_ring_falls_back_where_it_cannot_copy():
     of 8 mod 16 elements (aligned, but not provably so to the compiler) or on a K padded to the 64-K
     chunk runs the register path: the same numbers as the reference."""
     from fp4moe.ops.linear import fp4_linear_reference
-    from fp4moe.ops.mma_layout import launch_linear_mma, pack_mma
+    from fp4moe.ops.mma_pack import pack_mma
+    from fp4moe.ops.mma_sync import launch_linear_mma
     from fp4moe.quantize import quantize
 
     torch.manual_seed(1)
@@ -637,7 +644,7 @@ def test_gpu_decode_heights_equal_one_height(monkeypatch, fmt, T, rows):
     tiles alone give, bit for bit (each row's K steps add in the same order), and the guard probes
     the pair."""
     from fp4moe import guard
-    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops import moe_packed as moe_ops
     from fp4moe.ops.moe import MMAHeights, fp4_moe_experts, mma_moe_config, random_moe_problem
 
     p = random_moe_problem(T, 64, 8, 1024, 512, fmt, device="cuda", seed=5, dropped=(1, 3))
@@ -656,7 +663,7 @@ def test_gpu_decode_heights_equal_one_height(monkeypatch, fmt, T, rows):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
-    """``MMA_HEIGHTS_OVERLAP``: each GEMM's second class runs without waiting for the first (PDL 3,
+    """``MoETuning.heights_overlap``: each GEMM's second class runs without waiting for the first (PDL 3,
     ``launch_grouped_mma(independent=True)``), and its last program holds the grid's completion back
     until the first's. Replayed in a CUDA graph, every replay gives the layer of the chained launches
     bit for bit: GEMM 2's first class reads h rows that only the first class of GEMM 1 writes, so a
@@ -666,7 +673,7 @@ def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
     from dataclasses import replace
 
     from fp4moe.kernels import linear_mma as kernels
-    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops import moe_packed as moe_ops
     from fp4moe.ops._runtime import pdl_kwargs
     from fp4moe.ops.moe import MMAHeights, fp4_moe_experts, mma_moe_config, random_moe_problem
 
@@ -688,23 +695,23 @@ def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
 
     monkeypatch.setattr(kernels, "fp4_linear_mma_kernel", Spy())
     args = (p.x, p.w13, p.w2, p.topk_ids, p.topk_weights)
-    monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", False)
-    chained = fp4_moe_experts(*args)
+    with tuning(moe=dict(heights_overlap=False)):
+        chained = fp4_moe_experts(*args)
     assert 3 not in modes
-    monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", True)
-    modes.clear()
-    assert torch.equal(fp4_moe_experts(*args), chained)
-    assert modes.count(3) == (2 if pdl else 0), modes  # the second class of each GEMM
-    out = torch.empty_like(chained)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(4):
-            out.copy_(fp4_moe_experts(*args))
-    for _ in range(25):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, chained)
+    with tuning(moe=dict(heights_overlap=True)):
+        modes.clear()
+        assert torch.equal(fp4_moe_experts(*args), chained)
+        assert modes.count(3) == (2 if pdl else 0), modes  # the second class of each GEMM
+        out = torch.empty_like(chained)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(4):
+                out.copy_(fp4_moe_experts(*args))
+        for _ in range(25):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, chained)
 
 
 @pytest.mark.gpu
@@ -713,7 +720,7 @@ def test_gpu_heights_overlap_equals_the_chained_launches(monkeypatch, fmt):
 def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, per_row, bias, xs, block_m, T):
     """Both grouped GEMMs with x through the shared-memory ring (gathered rows in GEMM 1, fused
     SwiGLU or not): the same checks as the register path."""
-    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops import moe_packed as moe_ops
 
     cfg = MMAConfig(rb=2 if block_m == 16 else 1, warps=4, kh=2 if block_m == 16 else 4, block_m=block_m, xs=xs)
     monkeypatch.setattr(moe_ops, "mma_moe_config", lambda *a: cfg)
@@ -723,11 +730,11 @@ def test_gpu_moe_decode_with_x_ring(monkeypatch, fmt, activation, interleaved, p
 def test_classes_overlap_only_after_a_launch(monkeypatch):
     """A GEMM's second class launch runs without waiting for the first only where the first
     launched (a class whose plan holds no tiles launches nothing: the second then follows the kernel
-    that wrote its inputs), and only with ``MMA_HEIGHTS_OVERLAP``; the planner asks the same rule
+    that wrote its inputs), and only with ``MoETuning.heights_overlap``; the planner asks the same rule
     (``overlaps_previous_class``) of a class's rows."""
     from types import SimpleNamespace
 
-    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops import moe_packed as moe_ops
     from fp4moe.ops.dispatch import ALL_ROWS
     from fp4moe.ops.moe import MMAHeights, mma_moe_config, overlaps_previous_class
 
@@ -740,8 +747,8 @@ def test_classes_overlap_only_after_a_launch(monkeypatch):
     assert not moe_ops._overlaps(launches(3, 4), 0) and moe_ops._overlaps(launches(3, 4), 1)
     assert not moe_ops._overlaps(launches(0, 4), 1)
     assert [overlaps_previous_class(r) for r in (None, (0, 8), (8, ALL_ROWS))] == [False, False, True]
-    monkeypatch.setattr(moe_ops, "MMA_HEIGHTS_OVERLAP", False)
-    assert not moe_ops._overlaps(launches(3, 4), 1) and not overlaps_previous_class((8, ALL_ROWS))
+    with tuning(moe=dict(heights_overlap=False)):
+        assert not moe_ops._overlaps(launches(3, 4), 1) and not overlaps_previous_class((8, ALL_ROWS))
 
 
 @pytest.mark.parametrize("heights", [False, True])
@@ -757,18 +764,18 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     arguments the pipeline passes it. ``heights``: ``MMAHeights``, each GEMM as two launches over
     the experts of at most 2 rows (8-row tiles) and the others (16-row tiles), into one h and one
     partial-sum tensor."""
-    from fp4moe.ops import mma_layout
-    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops import mma_sync
+    from fp4moe.ops import moe_packed as moe_ops
     from fp4moe.ops.dispatch import dispatch
     from fp4moe.ops.moe import (
         MMAHeights,
-        _run_mma,
         fp4_moe_reference,
         mma_moe_config,
         mma_packed_experts,
         packed_dispatch,
         random_moe_problem,
     )
+    from fp4moe.ops.moe_packed import _run_mma
 
     T, E, k, H, I = 5, 6, 3, 64, 32
     p = random_moe_problem(T, E, k, H, I, fmt.name, device="cpu", seed=7, per_row=per_row, bias=bias, dropped=(2, 1))
@@ -786,7 +793,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
         # and only where the first launched anything
         if out is None:
             first_tiles.append(plan.max_tiles)
-        assert independent == (out is not None and moe_ops.MMA_HEIGHTS_OVERLAP and first_tiles[-1] > 0)
+        assert independent == (out is not None and current_tuning().moe.heights_overlap and first_tiles[-1] > 0)
         w = dequantize(unpack_mma(p), torch.float32).reshape(-1, n_per_expert, x2.shape[1])
         R = plan.sorted_pair.shape[0]
         # rows no tile covers must never be read (a second class's launch fills its own rows)
@@ -804,7 +811,7 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
     calls = []
 
     def emulated_swiglu(x2, p, n_out, plan, config, out, globals_, bias13, independent=False):
-        assert independent == (len(calls) == 1 and moe_ops.MMA_HEIGHTS_OVERLAP and calls[0] > 0)
+        assert independent == (len(calls) == 1 and current_tuning().moe.heights_overlap and calls[0] > 0)
         calls.append(plan.max_tiles)
         wg, mode = globals_
         assert mode == (moe_ops._weight_globals(w13)[1]) and bias13 is b13 and n_out == I
@@ -812,44 +819,43 @@ def test_moe_mma_pipeline_with_emulated_gemm(monkeypatch, fmt, activation, inter
         return moe_ops.launch_partials_epilogue(part, w13, plan, out, swiglu=1, interleaved=False, scatter=False,
                                                 row_weight=None, bias=bias13)
 
-    monkeypatch.setattr(mma_layout, "launch_grouped_mma", emulated)
-    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu", emulated_swiglu)
-    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", fused)
-    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # the CPU's tiny grid
-    packed = (mma_packed_experts(w13), mma_packed_experts(w2))
-    cfg = MMAHeights(mma_moe_config(1), mma_moe_config(8), 2) if heights else mma_moe_config(T * k / E)
+    monkeypatch.setattr(mma_sync, "launch_grouped_mma", emulated)
+    monkeypatch.setattr(mma_sync, "launch_grouped_mma_swiglu", emulated_swiglu)
+    with tuning(moe=dict(fused_swiglu=fused, fused_swiglu_min_programs_per_sm=0)):  # the CPU's tiny grid
+        packed = (mma_packed_experts(w13), mma_packed_experts(w2))
+        cfg = MMAHeights(mma_moe_config(1), mma_moe_config(8), 2) if heights else mma_moe_config(T * k / E)
 
-    def no_launch(*a, **kw):
-        raise AssertionError("the plan carries the class tile maps: no tile_map launch")
+        def no_launch(*a, **kw):
+            raise AssertionError("the plan carries the class tile maps: no tile_map launch")
 
-    tile_map = moe_ops.tile_map
-    monkeypatch.setattr(moe_ops, "tile_map", no_launch)
-    out = _run_mma(x, w13, w2, packed, ids, wts, packed_dispatch(ids, E, cfg), cfg, k, activation, interleaved, b13,
-                   b2, None, torch.empty(T, H, dtype=torch.bfloat16))
-    ref = fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved,
-                            w13_bias=b13, w2_bias=b2).float()
-    assert torch.isfinite(out.float()).all()
-    assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
-    fused_here = fused and activation == "silu" and not interleaved
-    assert len(calls) == (2 if heights else 1) * int(fused_here)
-    if heights:  # both classes ran, the short tiles first, in each GEMM
-        counts = torch.bincount(ids[ids >= 0].long(), minlength=E)
-        small, large = int(((counts > 0) & (counts <= 2)).sum()), int((counts > 2).sum())
-        assert small and large, counts
-        assert tiles_seen == [(8, small), (16, large)] * 2
-        # a plan made without the class maps: a tile_map launch per class, the same layer
-        monkeypatch.setattr(moe_ops, "tile_map", tile_map)
-        tiles_seen.clear(), first_tiles.clear(), calls.clear()
-        again = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation,
-                         interleaved, b13, b2, None, torch.empty(T, H, dtype=torch.bfloat16))
-        assert torch.equal(again, out) and tiles_seen == [(8, small), (16, large)] * 2
+        tile_map = moe_ops.tile_map
+        monkeypatch.setattr(moe_ops, "tile_map", no_launch)
+        out = _run_mma(x, w13, w2, packed, ids, wts, packed_dispatch(ids, E, cfg), cfg, k, activation, interleaved, b13,
+                       b2, None, torch.empty(T, H, dtype=torch.bfloat16))
+        ref = fp4_moe_reference(x, w13, w2, ids, wts, activation=activation, interleaved=interleaved,
+                                w13_bias=b13, w2_bias=b2).float()
+        assert torch.isfinite(out.float()).all()
+        assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+        fused_here = fused and activation == "silu" and not interleaved
+        assert len(calls) == (2 if heights else 1) * int(fused_here)
+        if heights:  # both classes ran, the short tiles first, in each GEMM
+            counts = torch.bincount(ids[ids >= 0].long(), minlength=E)
+            small, large = int(((counts > 0) & (counts <= 2)).sum()), int((counts > 2).sum())
+            assert small and large, counts
+            assert tiles_seen == [(8, small), (16, large)] * 2
+            # a plan made without the class maps: a tile_map launch per class, the same layer
+            monkeypatch.setattr(moe_ops, "tile_map", tile_map)
+            tiles_seen.clear(), first_tiles.clear(), calls.clear()
+            again = _run_mma(x, w13, w2, packed, ids, wts, dispatch(ids, E, cfg.block_m), cfg, k, activation,
+                             interleaved, b13, b2, None, torch.empty(T, H, dtype=torch.bfloat16))
+            assert torch.equal(again, out) and tiles_seen == [(8, small), (16, large)] * 2
 
 
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_fused_swiglu_gemm1_cross_compiles():
     """MoE GEMM 1 with its SiLU epilogue in the kernel (the decode configurations, every global-scale
     mode, bias) compiles for SM80, SM90 and SM120 without spills, on mma.sync, with PDL from SM90."""
-    from fp4moe.ops.mma_layout import mma_compile_request
+    from fp4moe.ops.mma_requests import mma_compile_request
     from fp4moe.ops.moe import mma_moe_config
     from fp4moe.plan.crosscompile import cross_compile
 
@@ -871,24 +877,23 @@ def test_gpu_fused_swiglu_matches_partials_epilogue(monkeypatch, per_row, bias):
     (the same arithmetic in the same order; contraction into FMAs may differ by an ulp before h's
     bf16 rounding)."""
     from fp4moe import guard
-    from fp4moe.ops import mma_layout
-    from fp4moe.ops import moe as moe_ops
+    from fp4moe.ops import mma_sync
     from fp4moe.ops.moe import fp4_moe_experts, random_moe_problem
 
     p = random_moe_problem(5, 64, 8, 1024, 512, "nvfp4", device="cuda", seed=3, per_row=per_row, bias=bias,
                            dropped=(0, 7))
     kw = dict(w13_bias=p.w13_bias, w2_bias=p.w2_bias)
-    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU_MIN_PROGRAMS_PER_SM", 0)  # fused at this size too
-    launches = []
-    launch = mma_layout.launch_grouped_mma_swiglu
-    monkeypatch.setattr(mma_layout, "launch_grouped_mma_swiglu",
-                        lambda *a, **kw: launches.append(1) or launch(*a, **kw))
-    guard.reset()  # the guard probes this variant here (a probe launch, then the layer's)
-    fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
-    assert len(launches) == 2 and any("swiglu_fused" in key.kernel for key in guard._checked)
-    monkeypatch.setattr(moe_ops, "FUSED_SWIGLU", False)
-    split = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
-    assert ((fused - split).abs().max() / split.abs().max()) < 5e-3
+    with tuning(moe=dict(fused_swiglu_min_programs_per_sm=0)):  # fused at this size too
+        launches = []
+        launch = mma_sync.launch_grouped_mma_swiglu
+        monkeypatch.setattr(mma_sync, "launch_grouped_mma_swiglu",
+                            lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+        guard.reset()  # the guard probes this variant here (a probe launch, then the layer's)
+        fused = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
+        assert len(launches) == 2 and any("swiglu_fused" in key.kernel for key in guard._checked)
+        with tuning(moe=dict(fused_swiglu=False)):
+            split = fp4_moe_experts(p.x, p.w13, p.w2, p.topk_ids, p.topk_weights, **kw).float()
+        assert ((fused - split).abs().max() / split.abs().max()) < 5e-3
 
 
 def test_pack_follows_in_place_weight_updates():
@@ -930,7 +935,8 @@ def test_pack_follows_in_place_weight_updates():
 def test_config_names_parse_back():
     """``MMAConfig.parse`` / ``WgmmaConfig.parse`` invert ``str`` (the names benchmark and sweep
     records carry), and refuse other names."""
-    from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
+    from fp4moe.ops.mma_sync import MMAConfig
+    from fp4moe.ops.wgmma import WgmmaConfig
 
     mma = [MMAConfig(), MMAConfig(rb=2, warps=4, kh=2, block_m=16, split_k=1), MMAConfig(split_k=4, kh=1),
            MMAConfig(rb=1, warps=1, kh=4, block_m=8, kw=4, pdl=2), MMAConfig(rb=4, warps=2, kh=1, kw=8, pdl=1),

@@ -192,7 +192,7 @@ def test_gpu_model_sizes(case, mode):
 def test_gpu_w4a4_on_packed_kernels(T, E, k, H, I, per_row, dtype, static):
     """The W4A4 layer on the kernel the runtime picks for this GPU: without FP4 MMA (SM80-SM90) the
     packed W4A16 kernels on its activations quantized to NVFP4 and dequantized to bf16
-    (ops.moe._w4a4_activations) where ``packed_moe_kernel`` has one, else (and with FP4 MMA) the Triton
+    (ops.moe_packed._w4a4_activations) where ``packed_moe_kernel`` has one, else (and with FP4 MMA) the Triton
     kernel. The reference's numbers within the W4A4 tolerance, one dropped slot, per-row globals too
     many for the dequantize kernel (8,192), bitwise repeatable, and replayed in a CUDA graph on new
     inputs."""
@@ -244,15 +244,16 @@ def test_gpu_cuda_graph_and_compile():
                                            (16, 128, "per_row")], ids=["per_expert", "one", "per_row_kernel",
                                                                        "per_row_torch"])
 def test_w4a4_chain_joins_global_scales(E, N, globals_, device):
-    """The emulated W4A4 chain (ops.moe._w4a4_activations): x_hat is dequantize(quantize(x)) without
+    """The emulated W4A4 chain (ops.moe_packed._w4a4_activations): x_hat is dequantize(quantize(x)) without
     its global, in x's order (one kernel, fake_quantize_activations) or GEMM 2's MMA K order (the
     quantizer and the dequantize kernel), and the experts' globals come back multiplied by it in the
     shapes the epilogues read without a copy, [E, 1] or [E, N], from the kernel (up to 1,024) or
     torch (2,048 here); dynamic and given activation scales."""
     from dataclasses import replace
 
-    from fp4moe.ops.mma_layout import mma_order_rows
-    from fp4moe.ops.moe import _w4a4_activations, _weight_globals, random_moe_problem
+    from fp4moe.ops.wgmma import mma_order_rows
+    from fp4moe.ops.moe import _weight_globals, random_moe_problem
+    from fp4moe.ops.moe_packed import _w4a4_activations
     from fp4moe.ops.quantize import dequantize_activations, quantize_activations
 
     p = random_moe_problem(3, E, 2, 64, N // 2, "nvfp4", device=device, per_row=globals_ == "per_row")
@@ -275,7 +276,7 @@ def test_w4a4_chain_joins_global_scales(E, N, globals_, device):
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_cross_compile_default_configs():
     """Both grouped GEMMs at GLM-5 decode and prefill configurations fit every target, no spills."""
-    from fp4moe.arch import get_arch
+    from fp4moe.target import get_arch
     from fp4moe.ops.moe import choose_moe_configs, compile_request
     from fp4moe.plan.crosscompile import cross_compile
 
@@ -437,10 +438,10 @@ def test_chain_kernels_use_pdl_from_sm90():
 
 def test_fused_swiglu_needs_a_full_grid():
     """The decode path's GEMM 1 runs its epilogue in the kernel only with at least
-    FUSED_SWIGLU_MIN_PROGRAMS_PER_SM programs per SM (GLM-5 on 132 SMs: not at 1 token, 8 tiles x 32
+    ``MoETuning.fused_swiglu_min_programs_per_sm`` programs per SM (GLM-5 on 132 SMs: not at 1 token, 8 tiles x 32
     output blocks; yes at 4, 32 x 32), for SiLU on gate-then-up weights with whole K per program."""
     from fp4moe.ops.dispatch import max_tiles
-    from fp4moe.ops.mma_layout import MMAConfig
+    from fp4moe.ops.mma_sync import MMAConfig
     from fp4moe.ops.moe import fused_programs_per_sm, fuses_swiglu, mma_moe_config
 
     cfg = mma_moe_config(1)

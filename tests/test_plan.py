@@ -15,10 +15,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from fp4moe.arch import ARCHS, get_arch
+from fp4moe.target import ARCHS, get_arch
+from fp4moe.tuning import tuning
 from fp4moe.ops.linear import LinearConfig, choose_config, config_smem_bytes, fit_shared_memory, target_path
 from fp4moe.plan.cache import CompileCache, default_cache_dir, kernel_source_hash
-from fp4moe.plan.crosscompile import CompileRequest, cross_compile
+from fp4moe.plan.crosscompile import cross_compile
+from fp4moe.target.compile_request import CompileRequest
 from fp4moe.plan.planner import LOOP_FREE_SPILL_LIMIT_BYTES, SPILL_LIMIT_BYTES, PlanError, evaluate, legal_config, plan_many, plan_op
 from fp4moe.plan.space import (KERNELS, DequantizeProblem, LinearProblem, MoEGemmProblem, QuantizeProblem, WeightDequantizeProblem,
                               get_kernel,
@@ -330,7 +332,7 @@ def test_fit_shared_memory_steps_down_stages_then_tiles():
 
 def test_time_model_waves_split_and_bound():
     spec = get_kernel("fp4_linear")
-    from fp4moe.arch import find_gpu
+    from fp4moe.target import find_gpu
 
     pro = find_gpu("rtx pro 6000")
     decode = LinearProblem(16, 4096, 6144)
@@ -353,17 +355,21 @@ def test_time_model_waves_split_and_bound():
 def test_time_model_tracks_the_h200_measurements():
     """The W4A16 time model (the catalogue's sustained rates, ``GPU.sustained_bandwidth_gbs`` and
     ``GPU.sustained_tflops``, and ``plan.space.KERNEL_US`` per kernel) against every W4A16 row of
-    the committed H200 linear benchmark that ran fp4moe's GEMM kernels (and the wgmma kernel's rows
-    of session 16's file where torch's matmul now runs), with the configuration the runtime ran:
+    the committed H200 linear benchmark that ran fp4moe's GEMM kernels (and, where the runtime now
+    calls torch's matmul, the wgmma kernel's rows of benchmarks/raw/linear-h200-6bdded4.json), with
+    the configuration the runtime ran:
     within 0.8-1.9x of the measured time everywhere, and
     within 0.9-1.3x where the kernels are near their bound (M <= 4 and M >= 1024 on the two large
     GLM-5 shapes)."""
     import pathlib
 
-    from fp4moe.arch import find_gpu
-    from fp4moe.ops.mma_layout import MMAConfig, WgmmaConfig
+    from fp4moe.target import find_gpu
+    from fp4moe.ops.mma_sync import MMAConfig
+    from fp4moe.ops.wgmma import WgmmaConfig
 
-    from fp4moe.ops.linear import DEQUANT_MATMUL_MIN_M
+    from fp4moe.tuning import LinearTuning
+
+    DEQUANT_MATMUL_MIN_M = LinearTuning().dequant_matmul_min_m
 
     h200 = find_gpu("h200")
     bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -371,8 +377,8 @@ def test_time_model_tracks_the_h200_measurements():
     def w4a16(name):
         return [r for r in json.loads((bench / name).read_text())["rows"] if r.get("mode") == "w4a16" and r.get("us")]
 
-    # since session 17 the runtime runs M >= DEQUANT_MATMUL_MIN_M through torch's matmul (not modelled
-    # here): the wgmma kernel's rows there come from session 16's file, the last to run it at those sizes
+    # the runtime runs M >= DEQUANT_MATMUL_MIN_M through torch's matmul (not modelled here): the wgmma
+    # kernel's rows there come from the 6bdded4 run, the last full run of that kernel at those sizes
     rows = [r for r in w4a16("linear-h200.json") if r["M"] < DEQUANT_MATMUL_MIN_M]
     assert all(r["config"].startswith(("mma_", "wgmma_")) for r in rows)
     rows += [r for r in w4a16("raw/linear-h200-6bdded4.json") if r["M"] >= DEQUANT_MATMUL_MIN_M]
@@ -678,12 +684,10 @@ def test_wgmma_plan_refuses_other_architectures_and_modes():
     assert _linear_kernel(4096, 12288, 6144, "w4a16", get_arch("sm120")) == "fp4_linear"
 
 
-def test_mma_moe_plans_the_pair_rows_the_runtime_writes(cache, monkeypatch):
+def test_mma_moe_plans_the_pair_rows_the_runtime_writes(cache):
     """GEMM 2 of the decode path writes its pair rows in the dtype ``ops.moe.mma_pair_rows`` gives
     the runtime (bf16 for bf16 layers where K is not split, else fp32): the plan compiles the same
     pointer type, and GEMM 1's partial sums stay fp32."""
-    from fp4moe.ops import moe as moe_ops
-
     arch = get_arch("sm90")
     moe = get_kernel("fp4_moe_mma")
     for T, mode, x_dtype, want in ((256, "w4a16", "bf16", "*bf16"), (256, "w4a4", "bf16", "*bf16"),
@@ -692,15 +696,15 @@ def test_mma_moe_plans_the_pair_rows_the_runtime_writes(cache, monkeypatch):
         assert moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch).signature["y_ptr"] == want, (T, x_dtype)
     gemm1 = MoEGemmProblem(T=1, top_k=8, E=256, N=2048, K=6144, gemm=1)
     assert moe.compile_request(moe.heuristic(gemm1, arch), gemm1, arch).signature["y_ptr"] == "*fp32"
-    monkeypatch.setattr(moe_ops, "MMA_PAIR_ROWS", "fp32")
     gemm2 = MoEGemmProblem(T=256, top_k=8, E=256, N=6144, K=2048, gemm=2)
-    assert moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch).signature["y_ptr"] == "*fp32"
+    with tuning(moe=dict(pair_rows="fp32")):
+        assert moe.compile_request(moe.heuristic(gemm2, arch), gemm2, arch).signature["y_ptr"] == "*fp32"
 
 
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
 def test_emulated_w4a4_plans_the_variants_the_runtime_launches(cache):
     """Emulated W4A4 (SM80-SM90) runs the packed kernels on its activations dequantized to bf16
-    (``ops.linear._launch_packed``, ``ops.moe._run_wgmma`` with its re-quantization): what they write
+    (``ops.linear._launch_packed``, ``ops.moe_packed._run_wgmma`` with its re-quantization): what they write
     keeps x's dtype, and the MoE's wgmma GEMM 1 writes h in K order (its quantizer reads 16
     consecutive K), not in GEMM 2's MMA K order. The plan compiles exactly that, and it compiles."""
     arch = get_arch("sm90")
@@ -729,7 +733,8 @@ def test_emulated_w4a4_plans_the_variants_the_runtime_launches(cache):
     # merged tails hold two accumulators: 255 registers and a few spills, none inside the K loop
     assert [r.spill_bytes == 0 for r in results] == [False, True, True], [r.spill_bytes for r in results]
     assert results[0].loop_spill_ops == 0  # counted in its SASS, not merely absent
-    from fp4moe.ops.mma_layout import WgmmaConfig, wgmma_compile_request
+    from fp4moe.ops.mma_requests import wgmma_compile_request
+    from fp4moe.ops.wgmma import WgmmaConfig
 
     with pytest.raises(ValueError, match="out_dtype"):
         wgmma_compile_request(WgmmaConfig(), "nvfp4", 90, gemm="gemm2", out_dtype="fp16")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp4moe.arch import get_arch
+from fp4moe.target import get_arch
 from fp4moe.ops.moe import MoEGemmConfig, choose_moe_configs
 from fp4moe.plan.cache import CompileCache
 from fp4moe.plan.crosscompile import cross_compile
@@ -129,7 +129,7 @@ def test_problem_candidates_and_time_model():
     assert SPEC.variant(prefill, sm100) == "w4a4_native" and SPEC.variant(prefill, get_arch(90)) == "w4a4_emulated"
     # decode is bound by the active experts' weights: half as many experts, about half the time
     gpu = "rtx pro 6000"
-    from fp4moe.arch import find_gpu
+    from fp4moe.target import find_gpu
 
     g = find_gpu(gpu)
     cfg = SPEC.heuristic(decode, sm120)
@@ -220,7 +220,7 @@ def test_spills_outside_the_wgmma_main_loop_are_kept_and_reported(cache):
     the loop (a synthetic compile result) is refused."""
     import dataclasses
 
-    from fp4moe.ops.mma_layout import WgmmaConfig
+    from fp4moe.ops.wgmma import WgmmaConfig
     from fp4moe.plan.planner import _compiled_verdict, _resolve, _verdict_line, evaluate
 
     problem = MoEGemmProblem(4096, 8, 256, 6144, 2048, gemm=2)

@@ -17,8 +17,10 @@ import triton.language as tl
 
 from fp4moe import FP4Tensor, quantize
 from fp4moe.formats import e2m1_encode, nvfp4_block_scales
-from fp4moe.kernels.quantize import (div_by_reciprocal, div_by_reciprocal_pair, e2m1_magnitudes, e4m3_round,
-                                     nvfp4_quantize_kernel, reciprocal_pair, reciprocal_rn)
+from fp4moe.tuning import current_tuning, tuning
+from fp4moe.kernels.quantize import nvfp4_quantize_kernel
+from fp4moe.kernels.quantize_arith import (div_by_reciprocal, div_by_reciprocal_pair, e2m1_magnitudes, e4m3_round,
+                                           reciprocal_pair, reciprocal_rn)
 from fp4moe.ops.quantize import (
     _EMULATE_FMA,
     QuantizeConfig,
@@ -143,7 +145,7 @@ CASES = [
     Case("ties", ties, m=8, k=64, dtype=torch.float32, global_scale=1.0),
     Case("ties-bf16", ties, m=8, k=64, global_scale=1.0),
     Case("near-boundaries", near_boundaries, m=32, k=256, dtype=torch.float32, global_scale=1.0),
-    # bf16/fp16 take the short division (kernels.quantize.div_by_reciprocal); rounded to 16 bits
+    # bf16/fp16 take the short division (kernels.quantize_arith.div_by_reciprocal); rounded to 16 bits
     # these land on the thresholds themselves (ties), test_short_dividends_near_thresholds near them
     Case("ties-on-thresholds-bf16", near_boundaries, m=32, k=256, global_scale=1.0),
     Case("ties-on-thresholds-fp16", lambda m, k, g: near_boundaries(m, k, g) * 2.0 ** -8, m=32, k=256,
@@ -294,20 +296,20 @@ def test_dynamic_global_scale_is_a_correctly_rounded_division(device):
 @pytest.mark.parametrize("path", ["partials", "atomic"])
 @pytest.mark.parametrize("M,K", [(1, 64), (3, 2048), (40, 1040), (300, 64)])
 @pytest.mark.slow  # cross-compilation or many interpreter runs: .ci/run runs it
-def test_dynamic_scale_from_partials_or_one_atomic_word(path, M, K, device, monkeypatch):
+def test_dynamic_scale_from_partials_or_one_atomic_word(path, M, K, device):
     """The dynamic scale's absmax pass leaves one maximum per program for the quantize kernels to
-    reduce (up to ``MAX_ABSMAX_PARTIALS`` programs: no zero fill) or folds them into one zeroed
+    reduce (up to ``QuantizeTuning.max_absmax_partials`` programs: no zero fill) or folds them into one zeroed
     word with atomics; both give the reference's global scale and codes, in the quantizer and in
     the one-kernel quantize-to-bf16, for grids of 1 to 8 programs (300 x 64: 3 row groups)."""
     import fp4moe.ops.quantize as opsq
 
-    if path == "atomic":
-        monkeypatch.setattr(opsq, "MAX_ABSMAX_PARTIALS", 0)
-    cfg = QuantizeConfig.from_heuristic(M, K)
-    assert (opsq._absmax_programs(M, K, cfg) <= opsq.MAX_ABSMAX_PARTIALS) == (path == "partials")
-    x = normal(M, K, _gen(M + K)) * 5
-    x[-1, -1] = -40.0  # the maximum in the last program
-    check(x.to(device))
+    with tuning(quantize=dict(max_absmax_partials=0) if path == "atomic" else {}):
+        cfg = QuantizeConfig.from_heuristic(M, K)
+        most = current_tuning().quantize.max_absmax_partials
+        assert (opsq._absmax_programs(M, K, cfg) <= most) == (path == "partials")
+        x = normal(M, K, _gen(M + K)) * 5
+        x[-1, -1] = -40.0  # the maximum in the last program
+        check(x.to(device))
     x_hat, g = fake_quantize_activations(x.to(device))
     want, want_g = dequantize_activations(quantize_activations_reference(x.to(device)))
     assert torch.equal(x_hat.view(torch.int16), want.view(torch.int16)) and torch.equal(g, want_g)
@@ -381,7 +383,7 @@ def _div_kernel(a_ptr, d_ptr, out_ptr, N, BLOCK: tl.constexpr, SHORT: tl.constex
 def test_divisions_are_correctly_rounded(dividend, device):
     """Quotients 0..7 for divisors whose significands crowd 1 and 2 (where q = RN(a / d) is hardest),
     across the kernel's divisor range (2**-100 .. 2**109): any fp32 dividend through the reciprocal
-    pair, bf16/fp16 significands through the short division (a sample: scripts/sweep_quantize.py
+    pair, bf16/fp16 significands through the short division (a sample: tools/sweep/sweep_quantize.py
     checks every significand pair on the GPU)."""
     g = _gen(9)
     n = 1 << 18
@@ -505,7 +507,7 @@ def test_dequantize_is_exact(M, K, weight_global, device):
 def test_dequantize_in_mma_order(M, K, device):
     """With k_stored the rows come out in the packed weights' K order, zero past K: what
     mma_order_rows makes of the plain result (the wgmma kernel's input)."""
-    from fp4moe.ops.mma_layout import mma_order_rows
+    from fp4moe.ops.wgmma import mma_order_rows
 
     xq = quantize_activations((normal(M, K, _gen(K)) * 2).to(device=device, dtype=torch.bfloat16))
     k_stored = -(-K // 64) * 64

@@ -22,6 +22,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # plain help: flags read as flags ("--explain / --no-explain", not "<bool>" after each), in any
+    # terminal or log, and the help needs no Markdown renderer
+    rich_markup_mode=None,
 )
 
 console = Console()
@@ -38,6 +41,7 @@ def _in_cli_terms(command: Callable[..., Any]) -> Callable[..., Any]:
             err.message = cli_terms(err.message)
             raise
 
+    wrapper._in_cli_terms = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -46,9 +50,14 @@ def _mount_subcommands() -> None:
     from .checkpoints.cli import quantize_command
     from .plan.cli import plan_command
 
-    app.add_typer(bench_app, name="bench")
-    app.command("quantize")(_in_cli_terms(quantize_command))
-    app.command("plan")(_in_cli_terms(plan_command))
+    for command in bench_app.registered_commands:  # their usage errors in the command line's terms too
+        if command.callback is not None and not getattr(command.callback, "_in_cli_terms", False):
+            command.callback = _in_cli_terms(command.callback)
+    app.add_typer(bench_app, name="bench", short_help="Benchmarks against ceilings measured in the same run (GPU).")
+    app.command("quantize", short_help="Write an NVFP4 checkpoint of a bf16 Hugging Face model.")(
+        _in_cli_terms(quantize_command))
+    app.command("plan", short_help="Plan a model's FP4 GEMMs for a target GPU, no GPU needed.")(
+        _in_cli_terms(plan_command))
 
 
 _mount_subcommands()
@@ -91,13 +100,13 @@ def versions() -> dict[str, str | None]:
     }
 
 
-@app.command()
+@app.command(short_help="The GPU in hand, the software versions and the catalogue entry.")
 def info(
     gpu: Annotated[Optional[str], typer.Option(help="Show this catalogue GPU instead of the one in hand, e.g. 'rtx pro 6000'.")] = None,
     as_json: JsonFlag = False,
 ) -> None:
     """The GPU in hand (or 'no GPU'), the software versions, and the catalogue entry."""
-    from . import arch
+    from . import target as arch
 
     detected = arch.detect()
     if gpu is not None:
@@ -147,10 +156,10 @@ def info(
         console.print(_kv_table(f"architecture: {chip.name}", report["catalogue_arch"]))
 
 
-@app.command()
+@app.command(short_help="List the GPU catalogue.")
 def gpus(as_json: JsonFlag = False) -> None:
     """List the GPU catalogue: shared memory, SMs, bandwidth, peaks and FP4 MMA per product."""
-    from . import arch
+    from . import target as arch
 
     if as_json:
         _emit_json({name: arch.as_dict(g) for name, g in arch.GPUS.items()})
@@ -166,7 +175,7 @@ def gpus(as_json: JsonFlag = False) -> None:
     (console if console.is_terminal else Console(width=170)).print(table)
 
 
-@app.command()
+@app.command(short_help="Quantize a random matrix; --e2e: run a random MoE model through fp4moe.")
 def demo(
     rows: Annotated[int, typer.Option(min=1, help="Rows of the random matrix.")] = 256,
     cols: Annotated[int, typer.Option(min=32, help="Columns (K); a multiple of 32.")] = 1024,

@@ -23,6 +23,9 @@ _CLI_TERMS: tuple[tuple[str, Any], ...] = (
     (r"pass (\w+)=True \(--([\w-]+)\)", r"pass --\2"),
     (r"pass (\w+)=True\b", lambda m: f"pass --{m.group(1).replace('_', '-')}"),
     (r"\b(find_gpu|get_arch|resolve_target|arch_for_capability): ", ""),
+    # ``models``: "model: expected one of ['deepseek-v3', 'glm-5']", "config: no such file ..."
+    (r"^(?:model|config): ", ""),
+    (r"expected one of \[('[^\]]*')\]", lambda m: "expected one of " + m.group(1).replace("'", "")),
 )
 
 

@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .tuning import current_tuning
+
 __all__ = ["CallGraphs", "GraphPolicy", "RerunGraph", "current_graph_policy", "graph_policy", "eager_calls",
            "set_graph_policy"]
 
@@ -298,7 +300,7 @@ class CallGraphs:
             self.clear()
             self._state, self._tensors = state, tensors
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-        full = (tuple(x.shape), x.dtype, x.device, stream, torch.is_inference_mode_enabled(), key)
+        full = (tuple(x.shape), x.dtype, x.device, stream, torch.is_inference_mode_enabled(), current_tuning(), key)
         entry = self._entries.get(full)
         if entry is not None:
             self._entries.move_to_end(full)

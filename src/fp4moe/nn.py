@@ -266,7 +266,7 @@ class FP4MoE(nn.Module):
             # and W4A4 where the GPU has no FP4 MMA; pack them now, outside any CUDA graph capture
             from .ops.linear import device_arch, runs_packed
             from .ops.moe import mma_packed_experts
-            from .ops.mma_layout import ROWS
+            from .ops.mma_pack import ROWS
 
             if (runs_packed(self.mode, device_arch(self.w13.device))
                     and self.w13.shape[1] % ROWS == 0 and self.w2.shape[1] % ROWS == 0):

@@ -1,8 +1,8 @@
-"""The benchmark harness: timing (CUDA graphs), roofline arithmetic, reports, ``fp4moe bench``.
+"""The benchmark harness: timing (CUDA graphs), reports, ``fp4moe bench``.
 
-Modules: ``timing`` (the one place that times anything), ``roofline`` (pure arithmetic),
-``report`` (environment stamp and JSON/Markdown files), ``linear`` (the FP4 linear and
-activation-quantize benchmarks) and ``cli`` (the ``fp4moe bench`` commands).
+Modules: ``timing`` (the one place that times anything), ``report`` (environment stamp and
+JSON/Markdown files), ``linear``, ``moe``, ``calls``, ``model`` and ``parallel`` (the benchmarks;
+roofline arithmetic is ``fp4moe.target.roofline``) and ``cli`` (the ``fp4moe bench`` commands).
 """
 
 #: the benchmarks' modes: W4A16 (bf16 activations) and W4A4 (FP4 activations); here, so that the

@@ -1,6 +1,6 @@
 """``fp4moe bench``: run a benchmark, print a table, write benchmarks/<name>-<gpu>.json and .md.
 
-The lead mounts it with ``app.add_typer(bench_app, name="bench")`` in ``fp4moe.cli``.
+``fp4moe.cli`` mounts it with ``app.add_typer(bench_app, name="bench")``.
 """
 
 from __future__ import annotations
@@ -180,8 +180,12 @@ def moe(
     m: Annotated[Optional[str], typer.Option("--m", help="Token counts, e.g. 1,16,4096.")] = None,
     mode: Annotated[str, typer.Option(help="w4a16 or w4a4 (NVFP4).")] = "w4a16",
     routings: Annotated[str, typer.Option(help="uniform, zipf or both.")] = "uniform,zipf",
-    oea_m: Annotated[str, typer.Option("--oea-m", help="Token counts of the OEA on/off rows ('' for none).")] = "8,16,32,64",
-    oea_k0: Annotated[int, typer.Option(min=1, help="Experts each token keeps under OEA.")] = 4,
+    oea_m: Annotated[str, typer.Option("--oea-m", help="Token counts of the rows timed with OEA on and off ('' for "
+                                       "none). OEA, opportunistic expert activation: each token keeps its own top "
+                                       "--oea-k0 experts and fills the rest of its top-k only with experts other "
+                                       "tokens of the batch already use, so a decode batch reads fewer experts.")]
+    = "8,16,32,64",
+    oea_k0: Annotated[int, typer.Option(min=1, help="Experts each token keeps as its own under OEA (k0).")] = 4,
     no_torch: Annotated[bool, typer.Option("--no-torch", help="Skip the torch._grouped_mm bf16 baseline.")] = False,
     out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
 ) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 
 from ..formats import FP4Format, get_format
-from . import roofline as rl
+from ..target import roofline as rl
 from .report import one_line
 from .timing import (ClockMonitor, TimingResult, l2_bytes, measure_ceilings, rotating, rotation_count, time_cuda_graph,
                      time_cuda_graphs)
@@ -50,7 +50,7 @@ def bench_ceilings() -> dict[str, Any]:
     """
     import torch
 
-    from .. import arch
+    from .. import target as arch
     from ..ops._runtime import device_arch
 
     ceilings: dict[str, Any] = dict(measure_ceilings())
@@ -164,13 +164,13 @@ def run_linear_bench(
     to :func:`bench_ceilings`, measured now. Progress goes to ``console`` (a new rich Console).
     Each shape after the first starts ``cooldown_s`` seconds after the last (prefill) row of the one
     before: sustained prefill holds the GPU at its power cap (the H200 at 1.4-1.5 GHz instead of
-    1.98, ``scripts/diag_prefill_sustained.py``), and the decode rows would otherwise run clocked down.
+    1.98, ``tools/profile/diag_prefill_sustained.py``), and the decode rows would otherwise run clocked down.
     """
     import time
 
     import torch
 
-    from .. import arch
+    from .. import target as arch
     from ..ops._runtime import device_arch
     from ..quantize import quantize
 

@@ -142,7 +142,7 @@ def time_cuda_graphs(
     every graph once, starting one further along each time, so every function is timed under the
     same clocks. Timed one after the other, a sustained bf16 GEMM on an H200 meets its 700 W power
     cap and runs at 1.4-1.5 GHz where a cold GPU ran 1.98 (session 15,
-    ``benchmarks/raw/diag-prefill-sustained-h200.json``): whichever is timed first is favoured.
+    ``tools/profile/diag_prefill_sustained.py``): whichever is timed first is favoured.
     ``budget_ms`` bounds the replays of the slowest function, as ``time_cuda_graph``'s.
     """
     import torch

@@ -1,6 +1,6 @@
 """``fp4moe quantize MODEL_DIR OUT_DIR``: a bf16 Hugging Face model to an NVFP4 checkpoint.
 
-The lead mounts it with ``app.command("quantize")(quantize_command)`` in ``fp4moe.cli``.
+``fp4moe.cli`` mounts it as the ``quantize`` command.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@ At prefill the tensor cores are the bound, and on SM90 only ``wgmma`` reaches th
 ``mma.sync.m16n8k16`` — the layout ``fp4moe.ops.mma_layout`` stores the weights in. So the
 program's weight words for a 64-K chunk (16-row blocks of 128 int32, contiguous per block) and
 their scale pairs arrive by TMA into a shared ring, each thread reads its own 16 bytes back and
-decodes them (``linear_mma.decode_a_operand``: ~2 instructions per value, the layout conversion
+decodes them (``mma_decode.decode_a_operand``: ~2 instructions per value, the layout conversion
 asserted free) straight into the operand; the activations arrive by TMA on the same mbarrier
-per ring stage, in the 128-byte swizzle wgmma reads as its B operand. (Until session 5 each thread copied its weight
-words with a 16-byte ``cp.async``: per-thread addresses, commit and wait on the warps that also
-decode and issue the wgmmas; until session 8 the scales came through registers two chunks ahead,
-a load latency per chunk once chunks are short.)
+per ring stage, in the 128-byte swizzle wgmma reads as its B operand (weights and scales by TMA,
+not by the decoding warps: docs/performance-engineering.md, ``gemm_wgmma`` ring).
 
 Small batches (the plain linear at M <= 64): 16- to 64-row activation tiles, and the K chunks
 split over grid axis 1 (``k_per_split`` each); each split writes its fp32 partial tile, which
@@ -20,8 +18,8 @@ Activations in MMA K order. The weights' K is permuted inside every 64-chunk (st
 4kl + 2i2 + i0 at MMA position 16kl + 8i2 + 2t + i0, see ``mma_layout``), so the B operand must
 be too: ``mma_order_rows_kernel`` writes x in that order in one pass (gathering the rows of MoE
 GEMM 1 on the way), and GEMM 1 writes h in GEMM 2's order directly (``OUT_MMA_ORDER``). The
-TMA copies then move tiles as they are; the earlier version permuted pairs with 4-byte
-``cp.async`` and its address arithmetic cost a quarter of the kernel's time (H200, measured).
+TMA copies then move tiles as they are, with no address arithmetic of their own
+(docs/performance-engineering.md, ``mma_order_rows_kernel``).
 
 Pipelining and a Triton 3.6 hazard. One wgmma group stays in flight while the next chunk is
 decoded, which needs the in-flight group's A registers left alone: Triton 3.6 does not ensure it
@@ -36,10 +34,10 @@ checks the SASS of the configurations the tests and the planner compile.
 
 Persistent programs (plain linear, 256-row tiles, ``PERSISTENT``): one program per SM takes tiles
 pid, pid + grid, ... and its ring runs on from one tile's chunks into the next one's, so that the
-next tile's first chunks load while this one finishes and stores its output. A program per tile
-paid its launch, the ring's first loads and its stores' drain once per tile: 6-14% of the time on
-K = 2048 (H200, session 14). The next tile's coordinates are computed once per tile (per chunk,
-their integer divisions made the loop 9% slower), and the epilogue's row indices pass through an
+next tile's first chunks load while this one finishes and stores its output, where a program per
+tile pays its launch, the ring's first loads and its stores' drain once per tile
+(docs/performance-engineering.md, ``PERSISTENT``). The next tile's coordinates are computed once
+per tile, not per chunk (integer divisions), and the epilogue's row indices pass through an
 opaque ``mov`` so that the compiler does not hoist their offsets out of the tile loop (kept live
 across it, they spilled ~300 local-memory operations per tile).
 
@@ -52,7 +50,8 @@ less than a nearly empty BLOCK_M tile and still follows its expert's first tile,
 reads again, while they are in L2. With MERGE_TAIL the full tile before such a short tile of the
 same expert runs its rows instead (a second TAIL_M-row box in each ring stage, a second wgmma and
 accumulator on the same decoded registers, both chunks' groups kept in flight), so the weights are
-read and decoded once; the short tile's programs do nothing (GLM-5 at 4,096 tokens: 6-11% faster). Epilogue (``kernels.moe._moe_epilogue``):
+read and decoded once; the short tile's programs do nothing (docs/performance-engineering.md,
+``MERGE_TAIL``). Epilogue (``kernels.moe._moe_epilogue``):
   plain linear: ``y[m, n] = acc * FOLD * global + bias`` (no MoE arguments);
   GROUPED (MoE, program axis over an ``ops.dispatch`` plan's tiles of one expert each):
     SWIGLU > 0 (GEMM 1): the rows are 16 WARPS gate rows then the matching up rows, so every
@@ -69,7 +68,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .linear_mma import _pdl_enter, decode_a_operand
+from .mma_decode import _pdl_enter, decode_a_operand
 from .moe import _gate_up_rows, _moe_epilogue
 from .pdl import pdl_enter
 
@@ -281,8 +280,7 @@ def _gemm_tile(x_desc, BLOCK_M: gl.constexpr, w_desc, s_desc, wg_ptr, bias_ptr, 
 def _ring(x_desc, w_desc, s_desc, BLOCK_M: gl.constexpr, NB: gl.constexpr, STAGES: gl.constexpr):
     """The ring, its mbarriers initialised: activation tiles (the 128-byte swizzle wgmma reads), the
     program's weight words ([NB, 128] int32 per chunk, each thread then reads its own 16 bytes) and
-    their scale pairs, all by TMA on one mbarrier per stage (the scales once came through registers
-    two chunks ahead: at small M a chunk is short and their load latency was exposed)."""
+    their scale pairs, all by TMA on one mbarrier per stage."""
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_M, 64], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, NB, 128], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.int16, [STAGES, NB, s_desc.block_type.shape[1]], s_desc.layout)
@@ -560,9 +558,8 @@ def mma_order_rows_kernel(
 
     With u = 2kl + i2 the chunk's stored pair 8t + u goes to 4u + t: a [4, 8] -> [8, 4] transpose of
     its 32 pairs. The tile is loaded and stored contiguously (16-byte vectors) and transposed in
-    registers (the compiler's layout conversion through shared memory). The first version loaded
-    each pair from its permuted address, one 4-byte load per pair: 61% of the copy bandwidth on the
-    H200 (38 us of a 958 us prefill at 12288x6144, M = 4096)."""
+    registers (the compiler's layout conversion through shared memory), not pair by pair from the
+    permuted addresses (docs/performance-engineering.md, ``mma_order_rows_kernel``)."""
     pdl_enter(PDL)
     pid_r = tl.program_id(0)
     pid_q = tl.program_id(1)

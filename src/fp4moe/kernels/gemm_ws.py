@@ -1,7 +1,6 @@
 """Prefill FP4 GEMM for Hopper (SM90), warp-specialized: a decode warpgroup feeds shared-memory
-wgmma (Gluon). Opt-in (``WgmmaConfig(ws=True)``): on the H200 it is ~10% slower (3-32% over the
-GLM-5 shapes and M = 256..16384) than the register-A kernel it was built to beat
-(benchmarks/README.md), so no heuristic chooses it.
+wgmma (Gluon). Opt-in (``WgmmaConfig(ws=True)``): slower than the register-A kernel
+(``gemm_wgmma``; docs/performance-engineering.md, ``WgmmaConfig.ws``), so no heuristic chooses it.
 
 ``gemm_wgmma`` decodes the FP4 weights on the warps that issue the wgmmas, into the register A
 operand, so the decode and the barrier waits sit on the tensor cores' critical path. Here each
@@ -14,7 +13,7 @@ program splits into two partitions (``gl.warp_specialize``):
       retires chunk c - 1 releases its A slot (``a_empty``) and refills its TMA slot with chunk
       c - 1 + STAGES. Then the epilogue, in the accumulator's layout.
   decode (one warpgroup, registers set by ``setmaxnreg``): waits ``ready``, reads the slot's
-      weight words and scales, decodes them (``linear_mma.decode_a_operand``, the registers of the
+      weight words and scales, decodes them (``mma_decode.decode_a_operand``, the registers of the
       register-A kernel), waits ``a_empty``, stores the bf16 A tile [128, 64] in the 128-byte
       swizzle (stmatrix), fences, arrives ``a_ready`` (which also tells the MMA partition that the
       words were read).
@@ -24,15 +23,12 @@ leave 128 registers per thread, and the MMA warps' 128 accumulators need ptxas's
 operands from shared memory also removes the Triton 3.6 register-A hazard
 (triton-lang/triton#9433) that ``gemm_wgmma`` works around by unrolling.
 
-What bounds it (H200, scripts/sweep_wgmma_tiles.py --ws): about 1,100 cycles per 64-K chunk
-whatever the tile height (64-row tiles take twice as long per FLOP as 128-row ones), the decode
-warps (4 or 8), the A ring depth, the wgmma groups in flight or the TMA lead (all tried): the decode
-partition's per-chunk chain of mbarrier waits, partition barriers, the proxy fence (ptxas:
-MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) and arrives. Two things were removed from that chain and each
-helped: global loads (the fence waited for the scale loads in flight, ~1,300 cycles a chunk: the
-scales now come by TMA) and the TMA issue (now on the MMA warps). A 256-row tile needs ~1,024
-cycles of MMA per chunk, so the chain still shows. Sharing one chain between two chunks (tried,
-not kept) shortened it per chunk but not enough: notes/linear-perf.md.
+What bounds it: the decode partition's per-chunk chain of mbarrier waits, partition barriers, the
+proxy fence (ptxas: MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) and arrives, whatever the tile height, decode
+warps, A ring depth, wgmma groups in flight or TMA lead; so nothing else sits on that chain (the
+scales come by TMA, the fence would wait for global loads in flight; the MMA warps issue the TMA).
+A 256-row tile's MMA per chunk is shorter than the chain (docs/performance-engineering.md,
+``WgmmaConfig.ws``).
 """
 
 from triton.experimental import gluon
@@ -41,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .gemm_wgmma import load_scales, program_tile
-from .linear_mma import decode_a_operand
+from .mma_decode import decode_a_operand
 from .moe import _moe_epilogue
 
 

@@ -3,7 +3,7 @@
 Why a second kernel: the Triton kernel in ``linear.py`` loads packed weights in a coalesced
 layout, and the compiler then moves every byte into the tensor-core operand layout through
 shared memory (byte-wise ``ld.shared`` + ``prmt``): ~5 of its ~8 instructions per weight
-element (notes/linear-perf.md). Here the weights are re-ordered once, at load time
+element (docs/performance-engineering.md). Here the weights are re-ordered once, at load time
 (``fp4moe.ops.mma_layout``), so that one 16-byte load gives each thread exactly the nibbles of
 its ``mma.sync.m16n8k16`` A fragments, and the decoded registers *are* the operand: the layout
 conversion is asserted trivial at compile time (``assert_trivial=True``).
@@ -23,6 +23,8 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from .mma_decode import _pdl_enter, _pdl_release, _pdl_wait, decode_a_operand, decode_a_operand_kw
 
 # The decodes' common end: registers u0..u3 (each two values, as bf16 bits of value * 2**-126)
 # times the scale pairs ($9: row g, $10: row g + 8; an fma with -0 keeps the sign of zero), split
@@ -132,26 +134,6 @@ def _arange4(n0: gl.constexpr, n1: gl.constexpr, n2: gl.constexpr, n3: gl.conste
 
 
 @gluon.jit
-def _pdl_wait():
-    """Wait for the previous grid to complete (its writes visible)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _pdl_release():
-    """Let the next grid launch once every program of this one has come here (or exited)."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _pdl_enter():
-    """``kernels.pdl.pdl_enter`` for Gluon kernels: wait for the previous grid, then let the next launch."""
-    _pdl_wait()
-    _pdl_release()
-
-
-@gluon.jit
 def _l2_prefetch(ptrs, nbytes, pred):
     """Where ``pred``, request ``nbytes`` (a multiple of 16; 16-byte aligned pointers) from each
     pointer into L2: one bulk prefetch (SM90+), nothing returned or waited for."""
@@ -215,33 +197,6 @@ def _x_ring_step(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH: gl.constexpr, X_S
     warp finished reading a step ago (the membar pass puts the CTA barrier before the copy and one
     after the wait), wait for step it's copies, and return its x tile in ``x_layout``."""
     return _x_ring_wait(x_ring, xc_ptrs, xc_mask, it, c0, c_last, KH, X_STAGES).load(x_layout)
-
-
-@gluon.jit
-def _decode_words(w, s, WORD_AXIS: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr):
-    """Packed words [..., 4] (``WORD_AXIS`` the last) and their scale pairs [...] -> the 8 bf16
-    fragment values of every word, [..., 4, i0, i1, i2] (``DECODE``'s nibble order)."""
-    sg, sh = gl.inline_asm_elementwise(SCALE, "=r,=r,h", [s], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    sg, _ = gl.broadcast(gl.expand_dims(sg, WORD_AXIS), w)
-    sh, _ = gl.broadcast(gl.expand_dims(sh, WORD_AXIS), w)
-    o000, o001, o010, o011, o100, o101, o110, o111 = gl.inline_asm_elementwise(
-        DECODE, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, sg, sh],
-        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=1)
-    return gl.join(gl.join(gl.join(o000, o001), gl.join(o010, o011)),
-                   gl.join(gl.join(o100, o101), gl.join(o110, o111)))
-
-
-@gluon.jit
-def decode_a_operand(w, s, NB: gl.constexpr, KH: gl.constexpr, DECODE: gl.constexpr, SCALE: gl.constexpr,
-                     a_layout: gl.constexpr):
-    """Packed words [NB, KH, 32, 4] (16-row blocks, 64-K chunks, lane, word) and their scale pairs
-    [NB, KH, 32] -> the bf16 A operand [16 NB, 64 KH] (MMA K order) in ``a_layout``: the decoded
-    registers already are the operand (mma.sync's A fragments; wgmma's register A has the same
-    per-warp layout), which the conversion asserts."""
-    v = _decode_words(w, s, 3, DECODE, SCALE)  # [NB, KH, 32, 4, i0, i1, i2]
-    v = gl.reshape(v, [NB, KH, 8, 4, 4, 2, 2, 2])  # lane -> (g, t)
-    v = gl.permute(v, [0, 6, 2, 1, 4, 7, 3, 5])  # [rb, i1, g, kc, kl, i2, t, i0]
-    return gl.convert_layout(gl.reshape(v, [16 * NB, 64 * KH]), a_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -708,14 +663,3 @@ def fp4_linear_mma_kw_kernel(
         out = out + gl.expand_dims(bias, 1)
     gl.store(y_ptr + gl.expand_dims(offs_mo.to(gl.int64), 0) * stride_ym + gl.expand_dims(offs_n, 1),
              out.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
-def decode_a_operand_kw(w, s, KW: gl.constexpr, NB: gl.constexpr, KH: gl.constexpr, DECODE: gl.constexpr,
-                        SCALE: gl.constexpr, a_layout: gl.constexpr):
-    """``decode_a_operand`` with a leading K-slice dimension: words [KW, NB, KH, 32, 4] and scale
-    pairs [KW, NB, KH, 32] -> the bf16 A operand [KW, 16 NB, 64 KH]."""
-    v = _decode_words(w, s, 4, DECODE, SCALE)  # [KW, NB, KH, 32, 4, i0, i1, i2]
-    v = gl.reshape(v, [KW, NB, KH, 8, 4, 4, 2, 2, 2])
-    v = gl.permute(v, [0, 1, 7, 3, 2, 5, 8, 4, 6])  # [s, rb, i1, g, kc, kl, i2, t, i0]
-    return gl.convert_layout(gl.reshape(v, [KW, 16 * NB, 64 * KH]), a_layout, assert_trivial=True)

@@ -219,7 +219,7 @@ _requested: list[str] = []  # the first value of ARCH_ENV this process read ("" 
 def requested_arch():
     """The architecture ``FP4MOE_ARCH`` names, or None when it is unset; the value is fixed at its
     first read (the guard and the packed-weight caches are per process)."""
-    from ..arch import get_arch
+    from ..target import get_arch
 
     value = os.environ.get(ARCH_ENV, "").strip()
     if not _requested:
@@ -237,7 +237,7 @@ def requested_arch():
 
 def device_capability_arch(device: torch.device):
     """The catalogue architecture of the CUDA device itself, whatever ``FP4MOE_ARCH`` says."""
-    from ..arch import arch_for_capability
+    from ..target import arch_for_capability
 
     try:
         return arch_for_capability(torch.cuda.get_device_capability(device))
@@ -250,7 +250,7 @@ def device_capability_arch(device: torch.device):
 def device_arch(device: torch.device):
     """The architecture whose kernels run on ``device``: None off CUDA (the interpreter); else the
     device's own, or the one ``FP4MOE_ARCH`` names where the device can run that architecture's
-    code (``arch.emulation_gaps``: e.g. sm80, sm89 or sm120 W4A16 on an H200; never one that needs
+    code (``target.emulation_gaps``: e.g. sm80, sm89 or sm120 W4A16 on an H200; never one that needs
     wgmma, tcgen05, TMA or PDL the device lacks, nor more shared memory). The launch sizes (SM
     count, L2) stay the device's. Resolved once per device (every launch asks, ``arch_kwargs``)."""
     if device.type != "cuda":
@@ -261,7 +261,7 @@ def device_arch(device: torch.device):
 
 @functools.lru_cache(maxsize=None)
 def _device_arch(index: int, requested: str):
-    from ..arch import emulation_gaps
+    from ..target import emulation_gaps
 
     device = torch.device("cuda", index)
     own = device_capability_arch(device)

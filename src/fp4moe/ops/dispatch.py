@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..tuning import current_tuning
 from ._runtime import arch_kwargs, interpreting, pdl_kwargs
 
 __all__ = ["DispatchConfig", "DispatchPlan", "TileMap", "dispatch", "dispatch_reference", "launch_dispatch",
@@ -87,30 +89,23 @@ class DispatchConfig:
 
     @staticmethod
     def from_heuristic(n_pairs: int, n_experts: int) -> DispatchConfig:
-        """One program with all pairs in one vector (``dispatch_small_kernel``) up to 64 pairs, else
-        blocks of ~32 pairs. H200, E = 256, k = 8, with PDL (scripts/sweep_chain.py,
-        benchmarks/raw/sweep-chain-h200.json): the one-vector program takes 1.4-1.9 us up to 32
-        pairs (the earlier chunked program 4.7-7.2 us) and 4.4 us at 64 (the four block launches
-        8.2 us), but 28-54 us at 128 pairs, whose [128, 128] and [128, 256] comparisons swamp one
-        program; the block kernels stay at 8-13 us up to 2,048 pairs (scripts/sweep_dispatch.py,
-        16..128 pairs per block). At most 16K pair x expert comparisons (64 x 256, 16 x 1024), 4
-        warps up to 8K, else 8 (no spills)."""
+        """One program with all pairs in one vector (``dispatch_small_kernel``) up to 64 pairs and at
+        most ``DispatchTuning.small_max_comparisons`` pair x expert comparisons (past that the
+        comparisons swamp one program), else blocks of ~32 pairs; 4 warps up to 8K comparisons, else
+        8 (no spills) (docs/performance-engineering.md, ``DispatchTuning.small_max_comparisons``)."""
         block_e = _block_e(n_experts)
         block_p = max(16, _next_pow2(n_pairs))
-        if n_pairs <= 64 and block_p * block_e <= SMALL_MAX_COMPARISONS:
+        if n_pairs <= 64 and block_p * block_e <= current_tuning().dispatch.small_max_comparisons:
             return DispatchConfig(block_p=block_p, fused=True, num_warps=4 if block_p * block_e <= 8192 else 8)
         return DispatchConfig(block_p=max(16, min(128, _next_pow2(-(-n_pairs // 32)))), fused=False, num_warps=4)
 
     @staticmethod
     def candidates(n_pairs: int, n_experts: int) -> list[DispatchConfig]:
         """Every block size and warp count; fused ones that would run the one-vector program only up
-        to ``SMALL_MAX_COMPARISONS`` (past it that program measured 28-54 us at 128 pairs)."""
+        to ``DispatchTuning.small_max_comparisons`` (past it that program measured 28-54 us at 128 pairs)."""
+        most = current_tuning().dispatch.small_max_comparisons
         return [DispatchConfig(bp, fused, w) for fused in (True, False) for bp in (32, 64, 128, 256) for w in (4, 8)
-                if not (fused and uses_small_kernel(n_pairs, bp) and bp * _block_e(n_experts) > SMALL_MAX_COMPARISONS)]
-
-
-#: pair x expert comparisons the one-vector dispatch program takes (``DispatchConfig.from_heuristic``)
-SMALL_MAX_COMPARISONS = 16384
+                if not (fused and uses_small_kernel(n_pairs, bp) and bp * _block_e(n_experts) > most)]
 
 
 def _block_e(n_experts: int) -> int:
@@ -124,17 +119,10 @@ def uses_small_kernel(n_pairs: int, block_p: int) -> bool:
     return n_pairs <= block_p
 
 
-#: block histograms up to which the block path places its pairs in one launch after the histogram
-#: (``dispatch_place_kernel``: every program reads all of them) instead of scan, tiles and scatter
-PLACE_MAX_BLOCKS = 64
-#: histogram rows the place kernel reads at a time
-PLACE_BLOCK_B = 16
-
-
 def uses_place_kernel(n_pairs: int, block_p: int) -> bool:
     """Whether the block path runs ``dispatch_place_kernel`` after the histograms (the launcher's
-    and the planner's choice)."""
-    return -(-n_pairs // block_p) <= PLACE_MAX_BLOCKS
+    and the planner's choice): at most ``DispatchTuning.place_max_blocks`` block histograms."""
+    return -(-n_pairs // block_p) <= current_tuning().dispatch.place_max_blocks
 
 
 @dataclass
@@ -272,15 +260,12 @@ def dispatch_reference(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> 
 # launcher
 
 
-#: most tile-map entries per program of the tile-map kernels' grids (``_block_i``)
-TILES_PER_PROGRAM = 128
-
-
 def _block_i(block_e: int) -> int:
     """Tile-map entries per program: the grid of the tile-map kernel is cdiv(max_tiles, block_i),
     and each program stores its share of the -1 entries block_i at a time (``_write_tiles``); at
-    most ``TILES_PER_PROGRAM``, fewer for wide expert vectors (BLOCK_E registers per program)."""
-    return max(16, min(TILES_PER_PROGRAM, 16384 // block_e))
+    most ``DispatchTuning.tiles_per_program``, fewer for wide expert vectors (BLOCK_E registers per
+    program)."""
+    return max(16, min(current_tuning().dispatch.tiles_per_program, 16384 // block_e))
 
 
 def _block_q(block_p: int, block_e: int) -> int:
@@ -363,7 +348,7 @@ def launch_dispatch(ids: torch.Tensor, n_experts: int, top_k: int, block_m: int,
             dispatch_place_kernel[(n_blocks,)](
                 ids, hist, base, counts, offsets, n_tiles, t_expert, t_start, t_end, sorted_token, sorted_pair,
                 pair_row, n, E, n_blocks, n_max, class_buf, *args, TOP_K=top_k, BLOCK_M=block_m,
-                BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p), BLOCK_E=block_e, BLOCK_B=PLACE_BLOCK_B,
+                BLOCK_P=config.block_p, BLOCK_Q=min(32, config.block_p), BLOCK_E=block_e, BLOCK_B=current_tuning().dispatch.place_block_b,
                 BLOCK_I=block_i, N_CLASSES=n_cls, A_M=heights[0], B_M=heights[1], num_warps=w, **pdl,
                 **arch_kwargs(dev))
             if n_cls < len(classes):  # more than the place kernel writes: a launch each
@@ -562,9 +547,9 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
     """Cross-compilation requests (``fp4moe.plan.crosscompile``) for the launches ``dispatch``
     makes with ``config``: the fused kernel, or the block kernels (histogram, then place, or scan,
     tiles and scatter). ``classes`` as ``dispatch``'s: the place kernel writes up to two."""
-    from ..plan.crosscompile import CompileRequest
+    from ..target.compile_request import CompileRequest
 
-    from ..arch import get_arch
+    from ..target import get_arch
 
     i32 = "*i32"
     w = config.num_warps
@@ -591,7 +576,7 @@ def compile_requests(n_pairs: int, n_experts: int, top_k: int, block_m: int, con
             {**{n: i32 for n in names}, "n_pairs": "i32", "E": "i32", "n_blocks": "i32", "max_tiles": "i32",
              "class_ptr": i32, **{f"{c}_{v}": "i32" for c in "ab" for v in ("lo", "hi", "max")}},
             {"TOP_K": top_k, "BLOCK_M": block_m, "BLOCK_P": config.block_p, "BLOCK_Q": min(32, config.block_p),
-             "BLOCK_E": block_e, "BLOCK_B": PLACE_BLOCK_B, "BLOCK_I": _block_i(block_e), "N_CLASSES": n_cls,
+             "BLOCK_E": block_e, "BLOCK_B": current_tuning().dispatch.place_block_b, "BLOCK_I": _block_i(block_e), "N_CLASSES": n_cls,
              "A_M": heights[0], "B_M": heights[1], "PDL": pdl}, cc, w, 1)]
     return [
         histogram,

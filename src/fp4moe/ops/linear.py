@@ -17,10 +17,12 @@ from typing import Literal
 import torch
 
 from .. import guard
-from ..arch import Arch
+from ..target import Arch
 from ..formats import NVFP4, FP4Format, get_format
 from ..quantize import FP4Tensor, dequantize, quantize
+from ..tuning import current_tuning
 from ._runtime import arch_kwargs, check_native_fp4, device_arch, fast_decode, fast_fold, interpreting, mma_dtype
+from .split_k import reduce_splits
 
 Mode = Literal["w4a16", "w4a4"]
 Path = Literal["w4a16", "w4a4_emulated", "w4a4_native"]
@@ -75,7 +77,7 @@ def choose_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None, sm_c
     SM two or more programs, and a long ``block_k`` so each program streams wide rows.
     Prefill is bound by the tensor cores: 128x128 tiles, software-pipelined.
     On a known architecture the choice is then stepped down until the shared-memory model of
-    ``fp4moe.plan.smem`` fits ``arch.smem_per_block_optin`` (``fit_shared_memory``).
+    ``fp4moe.target.smem`` fits ``arch.smem_per_block_optin`` (``fit_shared_memory``).
     """
     cfg = _heuristic_config(M, N, K, path=path, arch=arch, sm_count=sm_count)
     return fit_shared_memory(cfg, path, arch) if arch is not None else cfg
@@ -83,9 +85,9 @@ def choose_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None, sm_c
 
 @functools.lru_cache(maxsize=4096)  # runs on every forward call through choose_config
 def config_smem_bytes(config: LinearConfig, path: Path, arch: Arch) -> int:
-    """Modelled shared memory of ``config`` on ``arch`` (``fp4moe.plan.smem``): the most of any
+    """Modelled shared memory of ``config`` on ``arch`` (``fp4moe.target.smem``): the most of any
     weight format (NVFP4, MXFP4: their scale tiles differ) and activation dtype (bf16, fp16)."""
-    from ..plan.smem import linear_smem
+    from ..target.smem import linear_smem
 
     return max(linear_smem(config.block_n, config.block_m, config.block_k, config.num_warps, config.num_stages,
                            config.split_k, path=path, arch=arch, group=group, x_dtype=x_dtype).total
@@ -125,10 +127,10 @@ def _heuristic_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None,
         return LinearConfig(block_n=128, block_m=16 if M <= 16 else (64 if M <= 64 else 128), block_k=128,
                             num_warps=4 if M <= 64 else 8, num_stages=3)
     if M <= 256:
-        # H200 sweep (scripts/sweep_linear.py; benchmarks/): 64-row weight tiles, 4 warps, no
-        # cp.async pipeline (num_stages=1: loads land in the coalesced layout the decoder wants,
-        # 5-15% faster here); each program is bound by its in-register decoding, so K is split
-        # until there are ~2 programs per SM (split 2-4 at GLM-5 shapes).
+        # 64-row weight tiles, 4 warps, no cp.async pipeline (num_stages=1: loads land in the
+        # coalesced layout the decoder wants); each program is bound by its in-register decoding, so
+        # K is split until there are ~2 programs per SM (docs/performance-engineering.md,
+        # ``choose_config``)
         block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
         block_k = 256 if M <= 16 else 128
         tiles = -(-N // 64) * -(-M // block_m)
@@ -136,8 +138,8 @@ def _heuristic_config(M: int, N: int, K: int, *, path: Path, arch: Arch | None,
         while tiles * split < 1.9 * sms and K // (block_k * split * 2) >= 2:
             split *= 2
         return LinearConfig(block_n=64, block_m=block_m, block_k=block_k, num_warps=4, num_stages=1, split_k=split)
-    # prefill: 128 weight rows x 256 tokens per program was the fastest tile on the H200 (wgmma);
-    # with mma.sync (SM80/89/120) that tile spills registers, 128 x 128 does not
+    # prefill: 128 weight rows x 256 tokens per program with wgmma; with mma.sync (SM80/89/120)
+    # that tile spills registers, 128 x 128 does not (docs/performance-engineering.md, ``choose_config``)
     if arch is None or arch.bf16_mma == "wgmma":
         return LinearConfig(block_n=128, block_m=256, block_k=64, num_warps=8, num_stages=3)
     return LinearConfig(block_n=128, block_m=128, block_k=64, num_warps=8, num_stages=3)
@@ -154,7 +156,7 @@ def target_path(mode: Mode, arch: Arch | None) -> Path:
 
 
 def runs_packed(mode: Mode, arch: Arch | None) -> bool:
-    """Whether ``mode`` on ``arch`` runs the kernels on weights in MMA operand order (``ops.mma_layout``,
+    """Whether ``mode`` on ``arch`` runs the kernels on weights in MMA operand order (``ops.mma_pack``,
     where the shape and dtype allow): W4A16, and W4A4 without FP4 MMA (its activations dequantized
     for the W4A16 kernels); native W4A4 runs the Triton kernel's FP4 MMA."""
     return target_path(mode, arch) != "w4a4_native"
@@ -291,21 +293,6 @@ def launch_linear(
     return out
 
 
-def reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """``out[M, N] = sum over s of part[s] (+ bias)``, fp32 partials [S, M, N] added in split order
-    (``kernels.linear.splitk_reduce_kernel``): the second launch of every split-K linear (the
-    Triton kernel here, the mma.sync and wgmma kernels of ``ops.mma_layout``)."""
-    import triton
-
-    from ..kernels.linear import splitk_reduce_kernel
-
-    S, M, N = part.shape
-    splitk_reduce_kernel[(M, triton.cdiv(N, 1024))](
-        part, bias if bias is not None else out, out, M, N, out.stride(0), SPLIT_K=S, BLOCK=1024,
-        HAS_BIAS=bias is not None, num_warps=4, **arch_kwargs(out.device))
-    return out
-
-
 def _quantize_x(x2: torch.Tensor, input_global_scale: torch.Tensor | None) -> FP4Tensor:
     from .quantize import quantize_activations
 
@@ -361,14 +348,15 @@ def _forward(x: torch.Tensor, w: FP4Tensor, bias: torch.Tensor | None, mode: Mod
 
 def packed_config(path: Path, arch: Arch | None, M: int, N: int, K: int, sm_count: int | None = None, *,
                   fmt: FP4Format | str = "nvfp4", l2_bytes: int | None = None):
-    """The configuration of the kernel on weights in MMA operand order (``ops.mma_layout``) that
+    """The configuration of the kernel on weights in MMA operand order (``ops.mma_pack``) that
     ``fp4_linear`` runs on compiled CUDA, or None for the Triton kernel: W4A16 decode (M <= MAX_M)
     on the mma.sync kernel, which every catalogued architecture, SM80 on, has (an ``MMAConfig``);
     W4A16 above it (M >= WGMMA_MIN_M) on SM90 on the wgmma kernel (a ``WgmmaConfig``, split along
     K up to M = 64). Emulated W4A4 (no FP4 MMA) takes the same kernels on its activations
     dequantized to bf16 (``_forward_mma``). The rest (M > MAX_M on other architectures, native
     W4A4) on the Triton kernel. ``l2_bytes``: the device's L2 (``choose_mma_config``'s)."""
-    from .mma_layout import MAX_M, WGMMA_MIN_M, choose_mma_config, choose_wgmma_config
+    from .mma_sync import MAX_M, choose_mma_config
+    from .wgmma import WGMMA_MIN_M, choose_wgmma_config
 
     if path == "w4a4_native" or arch is None:
         return None
@@ -387,52 +375,39 @@ def _use_mma_layout(x2: torch.Tensor, w: FP4Tensor, path: Path = "w4a16") -> boo
 
 
 def mma_packed(w: FP4Tensor):
-    """``w`` in MMA operand order (``ops.mma_layout.pack_mma``), packed on first use and kept with
+    """``w`` in MMA operand order (``ops.mma_pack.pack_mma``), packed on first use and kept with
     the weight's storage (one more copy of the FP4 bytes). None while a CUDA graph is being
     captured and no pack exists yet (packing allocates): the caller then uses the Triton kernel;
     ``FP4Linear`` packs when it is moved to a GPU, so captured graphs find the pack ready. Packed
-    again after ``w`` changed in place (``mma_layout.cached_pack``)."""
-    from .mma_layout import cached_pack, pack_mma
+    again after ``w`` changed in place (``mma_pack.cached_pack``)."""
+    from .mma_pack import cached_pack, pack_mma
 
     return cached_pack(w, pack_mma, with_global=True)
 
 
-#: large-batch W4A16 on SM90 (``dequant_matmul_applies``): from this many rows the weight is
-#: dequantized to bf16 (one pass, the weight's global scale left out) and multiplied by torch's
-#: matmul (cuBLAS), the global scale as its alpha. H200, the four GLM-5 shapes, both paths and
-#: torch timed interleaved (``scripts/sweep_dequant_matmul.py``, benchmarks/raw/sweep-dequant-matmul-h200.json):
-#: at 4,096 rows 0.94-0.96x torch against the wgmma kernel's 0.83-0.91x, at 16,384 0.96-0.98x against
-#: 0.79-0.91x; at 1,024 and 2,048 each path won on two shapes (the pass over the weight, 55 us for
-#: 12288x6144, weighs more there), so the wgmma kernel keeps them. Those sweep numbers were taken
-#: with an earlier dequantize kernel (one value per store); the bench with the committed one (two per
-#: 32-bit word), benchmarks/linear-h200.md: 0.92-0.94x at 4,096, 0.92-0.98x at 16,384
-DEQUANT_MATMUL_MIN_M = 4096
-#: the largest transient bf16 copy of a weight that path makes (bytes); larger weights keep the wgmma kernel
-DEQUANT_MATMUL_MAX_BYTES = 1 << 30
-
-
 def dequant_matmul_applies(path: Path, arch: Arch | None, M: int, N: int, K: int, fmt: FP4Format | str) -> bool:
     """Whether ``fp4_linear`` runs ``x @ W^T`` as torch's matmul on W dequantized to bf16 (with bf16
-    x): W4A16 NVFP4 on SM90 (wgmma; measured there) from ``DEQUANT_MATMUL_MIN_M`` rows, for a
-    transient copy of at most ``DEQUANT_MATMUL_MAX_BYTES``. At those sizes the product is bound by
+    x): W4A16 NVFP4 on SM90 (wgmma; measured there) from ``LinearTuning.dequant_matmul_min_m`` rows,
+    for a transient copy of at most ``LinearTuning.dequant_matmul_max_bytes``. At those sizes the product is bound by
     tensor cores, where cuBLAS's bf16 GEMM outruns the kernel that decodes FP4 in its main loop
     by more than one pass over the weight costs. Numerics as the kernels': the products of bf16 x
     with the exact bf16 values code x block scale, fp32 sums, the global scale applied to those
     sums (cuBLAS's alpha), bias added, one rounding (cuBLAS may reduce split-K partials in bf16
     where ``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction`` allows it)."""
+    tune = current_tuning().linear
     return (path == "w4a16" and arch is not None and arch.bf16_mma == "wgmma" and get_format(fmt) is NVFP4
-            and M >= DEQUANT_MATMUL_MIN_M and N * K * 2 <= DEQUANT_MATMUL_MAX_BYTES)
+            and M >= tune.dequant_matmul_min_m and N * K * 2 <= tune.dequant_matmul_max_bytes)
 
 
 def weight_global_host(w: FP4Tensor) -> float | None:
     """``w``'s global scale as a Python float (1.0 without one), read once per weight (one host
     sync, with ``check_weight_scales``, which ``pack_mma`` makes on the other paths) and kept with
-    the weight as its packs are (``mma_layout.cached_on_weight``); None when it would have to be
+    the weight as its packs are (``mma_pack.cached_on_weight``); None when it would have to be
     read while a CUDA graph is being captured (the caller takes another path).
     A graph captured on ``_dequant_matmul`` keeps the value it was captured with, as every captured
     graph keeps the packed weights it was captured with: write weights before capturing."""
     from ._runtime import check_weight_scales
-    from .mma_layout import cached_on_weight
+    from .mma_pack import cached_on_weight
 
     def read(w: FP4Tensor) -> float:
         check_weight_scales(w, "w")  # as pack_mma checks them for the other packed paths
@@ -481,7 +456,7 @@ def _probe_dequant_matmul(device: torch.device, dtype: torch.dtype) -> tuple[tor
 def _forward_mma(x, x2, w, packed, bias, out, cfg, path: Path = "w4a16", input_global_scale=None):
     """The packed weights through the kernel of ``cfg``: mma.sync (``MMAConfig``) or wgmma.
     Emulated W4A4: x quantized to NVFP4 and dequantized to bf16 first (``_launch_packed``)."""
-    from .mma_layout import MMAConfig
+    from .mma_sync import MMAConfig
 
     kernel = "fp4_linear_mma" if isinstance(cfg, MMAConfig) else "fp4_linear_wgmma"
     if path == "w4a16":
@@ -505,7 +480,9 @@ def _launch_packed(x2, packed, bias, out, cfg, path: Path, input_global_scale=No
     dequantized operands, as the native FP4 MMA forms them."""
     from dataclasses import replace
 
-    from .mma_layout import KCHUNK, MMAConfig, launch_linear_mma, launch_linear_wgmma
+    from .mma_pack import KCHUNK
+    from .mma_sync import MMAConfig, launch_linear_mma
+    from .wgmma import launch_linear_wgmma
     from .quantize import fake_quantize_activations
 
     wgmma = not isinstance(cfg, MMAConfig)
@@ -523,7 +500,8 @@ def _probe_mma(device: torch.device, fmt: FP4Format, cfg, path: Path = "w4a16",
     """A small problem through the packed-layout kernel of ``cfg`` (an ``MMAConfig`` or a
     ``WgmmaConfig``) on ``path``, and its reference: more than one program along N, K not a
     multiple of 64."""
-    from .mma_layout import MMAConfig, pack_mma
+    from .mma_pack import pack_mma
+    from .mma_sync import MMAConfig
 
     g = torch.Generator(device="cpu").manual_seed(1234)
     if isinstance(cfg, MMAConfig):
@@ -643,7 +621,7 @@ __all__ = ["LinearConfig", "choose_config", "choose_path", "config_smem_bytes", 
 def compile_request(config: LinearConfig, path: Path, fmt: str | FP4Format, cc: int,
                     x_dtype: torch.dtype = torch.bfloat16, has_bias: bool = False):
     """The cross-compilation request (``fp4moe.plan.crosscompile``) for one configuration and target."""
-    from ..plan.crosscompile import CompileRequest
+    from ..target.compile_request import CompileRequest
 
     fmt = get_format(fmt)
     xt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[x_dtype]

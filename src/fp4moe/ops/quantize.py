@@ -24,8 +24,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from ..formats import NVFP4
 from ..kernels.quantize import absmax_kernel, nvfp4_dequantize_kernel, nvfp4_fake_quantize_kernel, nvfp4_quantize_kernel
 from ..quantize import FP4Tensor, quantize
-from ._runtime import arch_kwargs, pdl_kwargs
-from .linear import device_arch
+from ..tuning import current_tuning
+from ._runtime import arch_kwargs, device_arch, pdl_kwargs
 
 __all__ = ["DequantizeConfig", "QuantizeConfig", "WeightDequantizeConfig", "dequantize_activations",
            "dequantize_weight", "fake_quantize_activations", "quantize_activations", "quantize_activations_reference"]
@@ -33,7 +33,6 @@ __all__ = ["DequantizeConfig", "QuantizeConfig", "WeightDequantizeConfig", "dequ
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = NVFP4.block_size  # 16
 _CHUNK = 2 * _BLOCK  # consecutive elements per thread: tiles are whole chunks (K may end mid-chunk: masked)
-_ABSMAX_ROW_STEPS = 8  # tiles per absmax program: fewer atomics on the one amax word (H200: 8 beat 1 by 10%)
 # The interpreter's tl.fma rounds twice; the kernel then emulates a fused multiply-add exactly.
 _EMULATE_FMA = isinstance(nvfp4_quantize_kernel, InterpretedFunction)
 
@@ -75,20 +74,16 @@ class QuantizeConfig:
         One row of 1024 columns, or two rows of 512 when that wastes fewer columns past K (ties
         to the wider: K = 6144, 2048 and 7168 take 1024, 1536 and 2560 take 512, 2880 takes 1024:
         both widths cover 3072 columns); narrower x (K < 512) in tiles of up to 1024 elements.
-        Why (H200, bf16 [16384, 6144] with a given scale, ``scripts/sweep_quantize.py``):
+        Why (the kernel is bound by instruction issue, not memory; docs/performance-engineering.md,
+        ``QuantizeConfig.from_heuristic``):
 
-        * the kernel is bound by instruction issue, not memory: a kernel with its loads and stores
-          and no arithmetic runs at 97-99% of copy bandwidth, the quantizer at 74% before this
-          session's instruction cuts (benchmarks/raw/sweep-quantize-structure-h200.json);
-        * 32 elements per thread: 64 per thread is register-limited (91-96 us at the time), 16 per
-          thread leaves half the lanes idle (140 us);
+        * 32 elements per thread: 64 per thread is register-limited, 16 per thread leaves half the
+          lanes idle;
         * one warp: a program's check for blocks that need the per-element clamp is then a warp
-          reduction, without shared memory and a barrier; [1, 1024] x 1 warp 73.1-74.1 us, [1, 2048]
-          x 2 warps 74.2-81.2 us;
+          reduction, without shared memory and a barrier;
         * 64 registers (bf16): the kernel compiles to 72, which fits 28 one-warp programs per SM; at
           64 (16 B of spill stores and loads, in the path for global scales outside the fast
-          range) the SM's limit of 32 resident programs binds instead (73.1 us
-          against 74.1; at 48 it spills more: 106).
+          range) the SM's limit of 32 resident programs binds instead.
         """
         block_k = min(1024, triton.next_power_of_2(max(K, _CHUNK)))
         if block_k >= 512:
@@ -240,22 +235,17 @@ def _grid(M: int, K: int, cfg: QuantizeConfig) -> tuple[int, int]:
     return triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k)
 
 
-#: the most partial maxima the dynamic scale's absmax pass leaves for each quantize program to
-#: reduce; above, one word zeroed first and atomics (``absmax_partials``)
-MAX_ABSMAX_PARTIALS = 64
-
-
 def absmax_partials(M: int, K: int, cfg: QuantizeConfig) -> int:
     """How many maxima ``absmax_kernel`` leaves for x [M, K] under ``cfg``: one per program (its grid)
-    when that is at most ``MAX_ABSMAX_PARTIALS``, which the quantize kernels then reduce themselves
+    when that is at most ``QuantizeTuning.max_absmax_partials``, which the quantize kernels then reduce themselves
     (no zero-filled word, no atomics: one kernel fewer ahead of the quantizer, which matters at decode
     sizes); else 1, the atomic maximum of a zeroed word."""
     n = _absmax_programs(M, K, cfg)
-    return n if n <= MAX_ABSMAX_PARTIALS else 1
+    return n if n <= current_tuning().quantize.max_absmax_partials else 1
 
 
 def _absmax_programs(M: int, K: int, cfg: QuantizeConfig) -> int:
-    return triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS) * triton.cdiv(K, cfg.block_k)
+    return triton.cdiv(M, cfg.block_m * current_tuning().quantize.absmax_row_steps) * triton.cdiv(K, cfg.block_k)
 
 
 def _scale_in(x2: torch.Tensor, gs: torch.Tensor | None, cfg: QuantizeConfig) -> tuple[torch.Tensor, int, dict]:
@@ -268,10 +258,11 @@ def _scale_in(x2: torch.Tensor, gs: torch.Tensor | None, cfg: QuantizeConfig) ->
     n_part = 1
     if gs is None:
         n_part = absmax_partials(M, K, cfg)
-        partials = _absmax_programs(M, K, cfg) <= MAX_ABSMAX_PARTIALS
+        tune = current_tuning().quantize
+        partials = _absmax_programs(M, K, cfg) <= tune.max_absmax_partials
         amax_bits = (torch.empty if partials else torch.zeros)((n_part,), dtype=torch.int32, device=x2.device)
-        absmax_grid = (triton.cdiv(M, cfg.block_m * _ABSMAX_ROW_STEPS), triton.cdiv(K, cfg.block_k))
-        absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=_ABSMAX_ROW_STEPS, PARTIALS=partials,
+        absmax_grid = (triton.cdiv(M, cfg.block_m * tune.absmax_row_steps), triton.cdiv(K, cfg.block_k))
+        absmax_kernel[absmax_grid](x2, amax_bits, M, K, x2.stride(0), ROW_STEPS=tune.absmax_row_steps, PARTIALS=partials,
                                    **tile, **pdl_kwargs(x2.device), **arch_kwargs(x2.device))
         gs = amax_bits.view(torch.float32)
     arch = device_arch(x2.device)
@@ -372,7 +363,7 @@ def dequantize_activations(xq: FP4Tensor, weight_global_scale: torch.Tensor | No
     ``x_hat.float() * xq.global_scale`` up to the rounding of that last product.
 
     ``k_stored`` (a multiple of 64, >= K): x_hat is [M, k_stored] in the packed weights' MMA K
-    order instead, zeros past K, what ``ops.mma_layout.mma_order_rows`` makes of the plain result:
+    order instead, zeros past K, what ``ops.wgmma.mma_order_rows`` makes of the plain result:
     the wgmma kernel's input, without that second pass."""
     if not isinstance(xq, FP4Tensor) or xq.fmt is not NVFP4:
         raise TypeError(f"xq: expected an NVFP4 FP4Tensor, got {type(xq).__name__}"

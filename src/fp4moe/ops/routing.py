@@ -156,11 +156,8 @@ class RoutingConfig:
     def from_heuristic(T: int, E: int, top_k: int) -> RoutingConfig:
         """One token per program, one warp per 256 experts (at most 4). A token's top-k is a chain
         of dependent reductions, so what bounds the kernel is the serial work per thread (the
-        logits each thread holds) and cross-warp reductions, not parallelism: H200, GLM-5 routing
-        (scripts/sweep_chain.py, benchmarks/raw/sweep-chain-h200.json), one token per warp took
-        6.2-6.5 us at every batch from 1 to 256 tokens, against 8.2-11.0 us for the previous
-        2,048 logits per program (8 tokens of 256 experts on 4 warps), and 29-30 us for 8 tokens
-        on one warp."""
+        logits each thread holds) and cross-warp reductions, not parallelism
+        (docs/performance-engineering.md, ``RoutingConfig.from_heuristic``)."""
         return RoutingConfig(block_t=1, num_warps=max(1, min(4, _next_pow2(E) // 256)))
 
     @staticmethod
@@ -455,8 +452,8 @@ def _empty_outputs(logits: torch.Tensor, k: int):
 def _empty_stats(logits: torch.Tensor, k0: int):
     """OEA's statistics of no tokens (no experts; k0 > 0), or, for exact routing (k0 = 0), the custom
     op's stats outputs, which ``route`` drops (it returns ``stats=None``): left uninitialised, so that
-    exact routing launches nothing after its kernel (two fills here cost the H200 decode layer
-    ~1.8 us between routing and dispatch)."""
+    exact routing launches nothing after its kernel (docs/performance-engineering.md,
+    ``_empty_stats``)."""
     dev = logits.device
     make = torch.zeros if k0 else torch.empty
     n = logits.shape[0] if k0 else 0
@@ -541,8 +538,8 @@ def compile_requests(routing: Routing, E: int, config: RoutingConfig, cc: int, *
     """Cross-compilation requests (``fp4moe.plan.crosscompile``) for the launches ``route`` makes:
     one pass, or OEA's two. (The planner compiles with default options; the launcher adds
     ``enable_fp_fusion=False``, which changes instruction selection, not resources much.)"""
-    from ..arch import get_arch
-    from ..plan.crosscompile import CompileRequest
+    from ..target import get_arch
+    from ..target.compile_request import CompileRequest
 
     grouped = routing.kind == "sigmoid_bias" and routing.n_group > 1
     n_group = routing.n_group if grouped else 1

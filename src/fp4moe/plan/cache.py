@@ -33,7 +33,8 @@ from dataclasses import asdict
 from typing import Any
 from pathlib import Path
 
-from .crosscompile import CompiledKernel, CompileRequest, _from_json
+from ..target.compile_request import CompileRequest
+from .crosscompile import CompiledKernel, _from_json
 
 __all__ = ["FORMAT", "CompileCache", "default_cache_dir", "kernel_source_hash"]
 

@@ -4,7 +4,7 @@ For every token bucket and every FP4 GEMM of one layer (``models.fp4_linear_ops`
 gate+up and down, planned as the two grouped GEMMs over the local experts, ``fp4_moe_mma`` at
 decode, ``fp4_moe_wgmma`` for SM90 prefill and ``fp4_moe_gemm`` otherwise; the shared expert and the dense MLP as ``fp4_linear``,
 ``fp4_linear_mma`` for bf16 decode or ``fp4_linear_wgmma`` for SM90 prefill, and from
-``ops.linear.DEQUANT_MATMUL_MIN_M`` tokens on SM90 ``nvfp4_weight_dequantize`` followed by torch's
+``LinearTuning.dequant_matmul_min_m`` (``fp4moe.tuning``) tokens on SM90 ``nvfp4_weight_dequantize`` followed by torch's
 matmul, which is not planned: the kernels the runtime runs), the planner picks a
 configuration, proves
 it by cross-compiling for the target, and reports shared memory used / allowed with its
@@ -41,7 +41,7 @@ def moe_problem(model, tokens: int, gemm: int, *, tp: int = 1, ep: int = 1, fmt:
     Both GEMMs run on one dispatch plan, so block_m is pinned to the runtime's
     (``ops.moe.choose_moe_configs``) for both: the two planned configurations run together.
     """
-    from ..arch import get_arch
+    from ..target import get_arch
     from ..ops.moe import choose_moe_configs
     from .space import MoEGemmProblem
 
@@ -56,7 +56,7 @@ def moe_problem(model, tokens: int, gemm: int, *, tp: int = 1, ep: int = 1, fmt:
 
 
 def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(1, 16, 64, 4096),
-               mode: str = "w4a16", compile: bool = True, jobs: int | None = None):
+               mode: str = "w4a16", compile: bool = True, jobs: int | None = None, progress=None):
     """[(tokens, name, LinearOp, PlanResult)] for every FP4 GEMM of one layer of ``model`` per token bucket.
 
     The routed experts' rows ("experts.w13 (gate+up)", "experts.w2 (down)") are planned as the
@@ -64,7 +64,7 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
     ``moe_problem``; one launch per layer each);
     the shared expert and the dense MLP as the kernel the runtime runs for them
     (``fp4_linear_mma`` for bf16 decode, ``fp4_linear_wgmma`` for bf16 prefill on SM90,
-    ``fp4_linear`` otherwise)."""
+    ``fp4_linear`` otherwise). ``progress(done, total)``: cross-compilations (``plan_many``)."""
     from ..models import fp4_linear_ops
     from .planner import _resolve, plan_many
     from .space import LinearProblem, WeightDequantizeProblem, get_kernel
@@ -101,7 +101,7 @@ def plan_model(model, *, arch=None, gpu=None, tp: int = 1, ep: int = 1, tokens=(
             chain = _w4a4_chain(model, t, tp, ep, target)
             entries += [(t, name, None) for name, _ in chain]
             items += [item for _, item in chain]
-    results = plan_many(items, arch, gpu, compile=compile, jobs=jobs)
+    results = plan_many(items, arch, gpu, compile=compile, jobs=jobs, progress=progress)
     return [(t, name, op, r) for (t, name, op), r in zip(entries, results)]
 
 
@@ -161,12 +161,13 @@ def _w4a4_chain(model, tokens: int, tp: int, ep: int, arch) -> list:
 def _linear_kernel(M: int, N: int, K: int, mode: str, arch, fmt: str = "nvfp4") -> str:
     """The registered kernel ``fp4_linear`` runs for this shape on ``arch`` (``ops.linear.packed_config``):
     bf16 W4A16 decode on the mma.sync kernel, prefill on SM90 on the wgmma kernel, or from
-    ``DEQUANT_MATMUL_MIN_M`` rows (NVFP4) the weight to bf16 (``nvfp4_weight_dequantize``) then torch's
+    ``LinearTuning.dequant_matmul_min_m`` rows (NVFP4) the weight to bf16 (``nvfp4_weight_dequantize``) then torch's
     matmul (``dequant_matmul_applies``), else the Triton kernel; emulated W4A4 (no FP4 MMA) the same
     packed kernels on its activations dequantized to bf16."""
-    from ..arch import get_arch
+    from ..target import get_arch
     from ..ops.linear import dequant_matmul_applies, packed_config, target_path
-    from ..ops.mma_layout import MMAConfig, WgmmaConfig
+    from ..ops.mma_sync import MMAConfig
+    from ..ops.wgmma import WgmmaConfig
 
     arch = get_arch(arch) if arch is not None else None
     path = target_path(mode, arch)
@@ -189,7 +190,7 @@ def _moe_kernel(model, problem, arch) -> str:
     from ..ops.moe import packed_moe_kernel
 
     H, inter = problem.hidden_and_intermediate()
-    from ..arch import get_arch
+    from ..target import get_arch
     from ..ops.linear import runs_packed
 
     kernel = packed_moe_kernel(arch, problem.pairs / problem.E, 2 * inter, H, model.routing.kind == "gpt_oss")
@@ -226,6 +227,19 @@ def _row(t, name, op, r) -> dict:
     return out
 
 
+#: the library's "name: ..." messages (``models``) and the plan option each name is given by
+_OPTION_PREFIXES = {"model": "--model", "config": "--config", "tp": "--tp", "ep": "--ep", "tokens": "--tokens"}
+
+
+def _option_of(message: str) -> tuple[str | None, str]:
+    """(the option a library message is about, the message without its "name: " prefix), e.g.
+    "tp: glm-5's expert intermediate 2048 is not divisible by 3" -> ("--tp", "glm-5's ...")."""
+    name, sep, rest = message.partition(": ")
+    if sep and name in _OPTION_PREFIXES:
+        return _OPTION_PREFIXES[name], rest
+    return None, message
+
+
 def plan_command(
     model: Annotated[Optional[str], typer.Option(help="Model preset: glm-5, deepseek-v3, qwen3-30b-a3b, gpt-oss-120b.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="A Hugging Face config.json (or its folder) instead of a preset.")] = None,
@@ -239,16 +253,20 @@ def plan_command(
     no_compile: Annotated[bool, typer.Option("--no-compile", help="Judge by the analytical model only.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for machines.")] = False,
 ) -> None:
-    """Plan every FP4 GEMM of a model for a target GPU: proven by cross-compilation, no GPU needed."""
+    """Plan every FP4 GEMM of a model for a target GPU: proven by cross-compilation, no GPU needed.
+
+    Compilation results are kept in $FP4MOE_CACHE_DIR/plan (default ~/.cache/fp4moe/plan): a second
+    plan of the same kernels takes seconds.
+    """
     from .. import models
-    from ..arch import resolve_target
+    from ..target import resolve_target
 
     if (model is None) == (config is None):
         raise typer.BadParameter("give exactly one of --model and --config", param_hint="--model/--config")
     try:
         spec = models.get_model(model) if model is not None else models.from_hf_config(config)
     except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--model" if model else "--config") from None
+        raise typer.BadParameter(str(err), param_hint="--model" if model is not None else "--config") from None
     try:
         target, product = resolve_target(gpu=gpu, arch=arch)
     except ValueError as err:
@@ -270,12 +288,16 @@ def plan_command(
     what = f"planning {spec.name} on {product.name if product else target.name} (cross-compiling for the target)"
     if not console.is_terminal:  # a log or a pipe gets no spinner: say what the wait is
         console.print(what + " ...", highlight=False)
-    with console.status(what):
+    with console.status(what) as status:
+        def progress(done: int, total: int) -> None:
+            status.update(f"{what}: {done}/{total} compiled")
+
         try:
             planned = plan_model(spec, arch=target, gpu=product, tp=tp, ep=ep, tokens=buckets, mode=mode,
-                                 compile=not no_compile)
+                                 compile=not no_compile, progress=progress)
         except ValueError as err:
-            raise typer.BadParameter(str(err)) from None
+            hint, message = _option_of(str(err))
+            raise typer.BadParameter(message, param_hint=hint) from None
     seconds = time.perf_counter() - start
     rows = [_row(*p) for p in planned]
     if as_json:
@@ -311,10 +333,12 @@ def plan_command(
         for *_, r in planned:
             console.print(r.explain(rejected=True), highlight=False, markup=False)
     else:  # the shared-memory breakdown of the first row that uses shared memory
-        shown = next(((t, name, row) for (t, name, _, _), row in zip(planned, rows)
-                      if row.get("breakdown") and not str(row["breakdown"]).startswith("nothing")), None)
+        from .planner import smem_breakdown
+
+        shown = next(((t, name, r.chosen.smem) for t, name, _, r in planned
+                      if r.chosen is not None and r.chosen.smem.total > 0), None)
         if shown is not None:
-            t, name, row = shown
-            console.print(f"shared memory of {name} at {t} tokens: {row['breakdown']} (--explain: every row)",
+            t, name, smem = shown
+            console.print(f"shared memory of {name} at {t} tokens: {smem_breakdown(smem)} (--explain: every row)",
                           highlight=False, markup=False)
     console.print(f"planned {len(rows)} kernels in {seconds:.1f} s", highlight=False)

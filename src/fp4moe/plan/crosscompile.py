@@ -7,8 +7,8 @@ compiled, and a subprocess also keeps compiler crashes (Triton aborts on some il
 from taking the caller down. A worker reports each request as soon as it is done, so an abort
 costs only the request that caused it; the rest are compiled by a fresh worker.
 
-Results can be kept on disk (``fp4moe.plan.cache.CompileCache``): pass ``cache=`` to
-``cross_compile``.
+What to compile is a ``fp4moe.target.compile_request.CompileRequest``. Results can be kept on disk
+(``fp4moe.plan.cache.CompileCache``): pass ``cache=`` to ``cross_compile``.
 """
 
 from __future__ import annotations
@@ -18,31 +18,19 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Callable
+
+from ..target.compile_request import CompileRequest
 
 if TYPE_CHECKING:
     from .cache import CompileCache
 
-__all__ = ["CompileRequest", "CompiledKernel", "cross_compile", "mma_instructions"]
-
-
-@dataclass(frozen=True)
-class CompileRequest:
-    """What to compile: ``kernel`` as "module:function", Triton signature types by argument name
-    (e.g. ``{"x_ptr": "*bf16", "M": "i32"}``), constexpr values (dtypes as "bf16"/"fp16"/"fp32"),
-    the target compute capability (90, 100, 120 ...) and launch options."""
-
-    kernel: str
-    signature: dict[str, str]
-    constexprs: dict[str, Any]
-    cc: int
-    num_warps: int = 4
-    num_stages: int = 3
-    divisible_by_16: tuple[str, ...] = ()  # arguments the runtime would specialise as multiples of 16
-    maxnreg: int | None = None  # the launch's register cap (warp-specialized kernels split it with setmaxnreg)
+__all__ = ["CompiledKernel", "cross_compile", "mma_instructions"]
 
 
 @dataclass(frozen=True)
@@ -107,60 +95,107 @@ def _describe_exit(code: int) -> str:
     return f"exit status {code}"
 
 
-def _run_share(requests: list[CompileRequest], share: list[int], env: dict[str, str], timeout_s: float,
-               results: list[CompiledKernel | None]) -> list[int]:
-    """One worker compiles the requests ``share``; returns those left to retry after a crash."""
-    proc = subprocess.Popen([sys.executable, "-m", "fp4moe.plan.worker"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    payload = json.dumps([asdict(requests[i]) for i in share])
-    try:
-        out, err = proc.communicate(payload, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        for i in share:
-            if results[i] is None:
-                results[i] = CompiledKernel(cc=requests[i].cc, ok=False,
-                                            error=f"cross-compilation timed out after {timeout_s:.0f} s")
-        return []
-    done = 0
-    for line in out.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            results[share[r.pop("index")]] = _from_json(r)
-            done += 1
-    if done == len(share):
-        return []
-    if proc.returncode == 0:
-        raise RuntimeError(f"cross-compilation worker returned {done} of {len(share)} results:\n{err[-4000:]}")
-    # the request after the last reported one crashed the compiler: record it, retry the rest
-    crashed = share[done]
-    results[crashed] = CompiledKernel(cc=requests[crashed].cc, ok=False,
-                                      error=f"the compiler crashed ({_describe_exit(proc.returncode)}):\n{err[-3000:]}")
-    return share[done + 1:]
+class _Queue:
+    """The requests left to compile, handed one at a time to whichever worker is free, and the
+    count of those finished (for ``progress``)."""
+
+    def __init__(self, n: int, progress: Callable[[int, int], None] | None) -> None:
+        self.pending = list(range(n - 1, -1, -1))  # popped from the end: in request order
+        self.total, self.done = n, 0
+        self.progress = progress
+        self.lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self.lock:
+            return self.pending.pop() if self.pending else None
+
+    def finish(self) -> None:
+        with self.lock:
+            self.done += 1
+            if self.progress is not None:
+                self.progress(self.done, self.total)
 
 
-def _run_workers(requests: list[CompileRequest], jobs: int, timeout_s: float) -> list[CompiledKernel]:
-    """Compile ``requests`` on up to ``jobs`` concurrent worker processes; restart after a crash."""
+def _serve(requests: list[CompileRequest], queue: _Queue, env: dict[str, str], deadline: float, timeout_s: float,
+           results: list[CompiledKernel | None]) -> None:
+    """One worker slot: a worker process compiles requests from ``queue`` one at a time until none
+    is left; after a crash, a fresh worker goes on with the next."""
+    index = queue.take()
+    while index is not None:
+        with tempfile.TemporaryFile("w+") as err, subprocess.Popen(
+                [sys.executable, "-m", "fp4moe.plan.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=err, text=True, env=env) as proc:
+            timed_out = threading.Event()
+
+            def stop(proc: subprocess.Popen = proc, timed_out: threading.Event = timed_out) -> None:
+                timed_out.set()
+                proc.kill()
+
+            timer = threading.Timer(max(1.0, deadline - time.monotonic()), stop)
+            timer.start()
+            try:
+                while index is not None:
+                    proc.stdin.write(json.dumps({"index": index, "request": asdict(requests[index])}) + "\n")
+                    proc.stdin.flush()
+                    line = proc.stdout.readline()
+                    while line and not line.startswith("{"):  # anything else a library printed
+                        line = proc.stdout.readline()
+                    if not line:
+                        break  # the worker died on this request
+                    r = json.loads(line)
+                    r.pop("index")
+                    results[index] = _from_json(r)
+                    queue.finish()
+                    index = queue.take()
+                else:
+                    proc.stdin.close()
+                    proc.wait()
+                    return
+            except BrokenPipeError:  # died before reading the request
+                pass
+            finally:
+                timer.cancel()
+            proc.kill()
+            code = proc.wait()
+            if timed_out.is_set():
+                while index is not None:  # out of time: this request and every one not yet begun
+                    results[index] = CompiledKernel(cc=requests[index].cc, ok=False,
+                                                    error=f"cross-compilation timed out after {timeout_s:.0f} s")
+                    queue.finish()
+                    index = queue.take()
+                return
+            err.seek(0)
+            log = err.read()
+        # the request in flight crashed the compiler: record it, go on with a fresh worker
+        results[index] = CompiledKernel(cc=requests[index].cc, ok=False,
+                                        error=f"the compiler crashed ({_describe_exit(code)}):\n{log[-3000:]}")
+        queue.finish()
+        index = queue.take()
+
+
+def _run_workers(requests: list[CompileRequest], jobs: int, timeout_s: float,
+                 progress: Callable[[int, int], None] | None = None) -> list[CompiledKernel]:
+    """Compile ``requests`` on up to ``jobs`` concurrent worker processes, each taking the next
+    request as soon as it is free (compile times differ tenfold between requests); restart after
+    a crash. ``progress(done, total)`` after each request."""
     results: list[CompiledKernel | None] = [None] * len(requests)
-    pending = list(range(len(requests)))
+    queue = _Queue(len(requests), progress)
     env = _worker_env()
     deadline = time.monotonic() + timeout_s
-    while pending:
-        shares = [pending[i::jobs] for i in range(min(jobs, len(pending)))]
-        left = max(1.0, deadline - time.monotonic())
-        with ThreadPoolExecutor(len(shares)) as pool:
-            retries = list(pool.map(lambda share: _run_share(requests, share, env, left, results), shares))
-        pending = [i for retry in retries for i in retry]
+    slots = max(1, min(jobs, len(requests)))
+    with ThreadPoolExecutor(slots) as pool:
+        list(pool.map(lambda _: _serve(requests, queue, env, deadline, timeout_s, results), range(slots)))
     return [r for r in results if r is not None]
 
 
 def cross_compile(requests: list[CompileRequest], timeout_s: float = 600.0, *, jobs: int | None = None,
-                  cache: CompileCache | None = None) -> list[CompiledKernel]:
+                  cache: CompileCache | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> list[CompiledKernel]:
     """Compile every request and return one result per request (in order).
 
     ``jobs`` worker processes share the requests (default: one per CPU core, at most one per
     request). With ``cache``, results found there are not compiled again and new ones are stored.
+    ``progress(done, total)`` is called as each compilation that was not in the cache finishes.
     """
     requests = list(requests)
     results: list[CompiledKernel | None] = [None] * len(requests)
@@ -174,7 +209,7 @@ def cross_compile(requests: list[CompileRequest], timeout_s: float = 600.0, *, j
     if todo:
         unique = [requests[indices[0]] for indices in todo.values()]
         n_jobs = max(1, min(jobs or os.cpu_count() or 1, len(unique)))
-        compiled = _run_workers(unique, n_jobs, timeout_s)
+        compiled = _run_workers(unique, n_jobs, timeout_s, progress)
         for indices, req, res in zip(todo.values(), unique, compiled):
             if cache is not None:
                 cache.put(req, res)

@@ -2,7 +2,7 @@
 
 ``plan_op(kernel, problem, arch)`` enumerates the kernel's candidates (``plan.space``) and:
 
-1. rejects those whose modelled shared memory (``plan.smem``) exceeds the architecture's
+1. rejects those whose modelled shared memory (``target.smem``) exceeds the architecture's
    per-block limit, quoting the breakdown;
 2. ranks the rest with the roofline model of the GPU;
 3. cross-compiles them in rank order, a few at a time (and always the runtime heuristic's
@@ -13,7 +13,7 @@
 4. returns the chosen ``Verdict`` and every rejection with its reason in the chip's own terms.
 
 The roofline cannot see in-register decoding cost (the W4A16 decode regime,
-notes/linear-perf.md) nor latency hiding, so when the runtime heuristic (tuned on silicon) is
+docs/performance-engineering.md) nor latency hiding, so when the runtime heuristic (tuned on silicon) is
 legal and within ``HEURISTIC_TIE`` of the best modelled time, the heuristic's configuration is
 chosen, and ties in modelled time (1% bins) go to the heuristic's pipeline depth and warps.
 """
@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..arch import GPU, Arch, find_gpu, get_arch
+from ..target import GPU, Arch, find_gpu, get_arch
+from ..target.smem import SmemBreakdown
 from .cache import CompileCache
 from .crosscompile import CompiledKernel, cross_compile
-from .smem import SmemBreakdown
 from .space import KernelSpec, TimeEstimate, default_gpu, get_kernel
 
 __all__ = ["HEURISTIC_TIE", "LOOP_FREE_SPILL_LIMIT_BYTES", "SPILL_LIMIT_BYTES", "PlanError", "PlanResult", "Verdict", "evaluate", "legal_config",
-           "plan_many", "plan_op"]
+           "plan_many", "plan_op", "smem_breakdown"]
 
 #: Spilled bytes (stores + loads per thread, ``ptxas -v``) above which a configuration is rejected.
 #: Zero: a spill is local memory traffic inside the main loop of these kernels, every iteration,
@@ -45,9 +45,9 @@ SPILL_LIMIT_BYTES = 0
 
 #: Spilled bytes (stores + loads) a kernel without loops may have. Such a kernel's code runs once
 #: per program, so this is local traffic per thread, against the quantizer's 82 B of global traffic
-#: per thread: its heuristic under the 64-register cap spills 16 B (in the division path for
-#: global scales outside the fast range); at 48 registers it spills 588 B in its fast path and runs
-#: 1.4x slower (benchmarks/raw/sweep-quantize-structure-h200.json), which this refuses.
+#: per thread: it admits the few bytes the quantizer's heuristic spills under its register cap (in
+#: the division path for global scales outside the fast range) and refuses a spill in its fast path
+#: (docs/performance-engineering.md, ``LOOP_FREE_SPILL_LIMIT_BYTES``).
 LOOP_FREE_SPILL_LIMIT_BYTES = 32
 
 #: The heuristic's configuration wins when its modelled time is within this factor of the best.
@@ -158,7 +158,8 @@ class PlanResult:
             lines.append("  no legal configuration")
         else:
             lines.append("  chosen: " + _verdict_line(self.chosen))
-            lines.append("    shared memory: " + self.chosen.smem.describe())
+            if self.chosen.smem.total:
+                lines.append("    shared memory: " + smem_breakdown(self.chosen.smem))
         if self.chosen is None or self.heuristic.config != self.chosen.config:
             lines.append("  runtime heuristic: " + _verdict_line(self.heuristic))
         if rejected and self.rejected:
@@ -186,6 +187,15 @@ class PlanResult:
         if rejected:
             out["rejected"] = [v.as_dict() for v in self.rejected]
         return out
+
+
+def smem_breakdown(smem: SmemBreakdown) -> str:
+    """``SmemBreakdown.describe``, or where only the epilogue uses shared memory, its terms (not
+    "nothing = 0 B; epilogue ..."). Callers print it only when ``smem.total`` is not 0."""
+    if smem.mainloop or not smem.epilogue:
+        return smem.describe()
+    terms = [t for t in smem.terms if t.phase == "epilogue" and t.bytes]
+    return " + ".join(str(t) for t in terms) + f" = {smem.epilogue:,} B (epilogue)"
 
 
 def _verdict_line(v: Verdict) -> str:
@@ -323,9 +333,11 @@ class _Work:
 
 def plan_many(items: Sequence[tuple[str | KernelSpec, Any]], arch: str | int | Arch | None = None,
               gpu: str | GPU | None = None, *, compile: bool = True, cache: CompileCache | None | bool = None,
-              jobs: int | None = None) -> list[PlanResult]:
+              jobs: int | None = None, progress: Callable[[int, int], None] | None = None) -> list[PlanResult]:
     """``plan_op`` for several (kernel, problem) pairs on one target, compiling in shared batches
-    (one cross-compilation per distinct request, on ``jobs`` processes)."""
+    (one cross-compilation per distinct request, on ``jobs`` processes). ``progress(done, total)``:
+    cross-compilations finished and begun so far (cache hits not counted; a later batch, after a
+    candidate proved illegal, raises the total)."""
     target, product = _resolve(arch, gpu)
     store = _cache(cache) if compile else None
     works: list[_Work] = []
@@ -345,6 +357,7 @@ def plan_many(items: Sequence[tuple[str | KernelSpec, Any]], arch: str | int | A
         works.append(_Work(spec, problem, heuristic, ranked, [v for v in verdicts if not v.legal]))
 
     if compile:
+        finished = 0  # compilations done in earlier batches (for ``progress``)
         while True:
             batch: list[tuple[_Work, int]] = []
             for w in works:
@@ -357,7 +370,15 @@ def plan_many(items: Sequence[tuple[str | KernelSpec, Any]], arch: str | int | A
             if not batch:
                 break
             requests = [w.spec.compile_request(w.ranked[i].config, w.problem, target) for w, i in batch]
-            for (w, i), result in zip(batch, cross_compile(requests, jobs=jobs, cache=store)):
+            this_batch = [0]  # compilations the cache did not hold
+
+            def report(done: int, total: int, before: int = finished) -> None:
+                this_batch[0] = total
+                progress(before + done, before + total)  # type: ignore[misc]
+
+            compiled = cross_compile(requests, jobs=jobs, cache=store, progress=report if progress else None)
+            finished += this_batch[0]
+            for (w, i), result in zip(batch, compiled):
                 w.judged[i] = _compiled_verdict(w.spec, w.ranked[i], w.problem, target, product, result)
 
     results = []

@@ -8,8 +8,8 @@ wgmma.wait_group instruction that waits on a wgmma-group including that wgmma.mm
 instruction is undefined behavior") is the program's to keep, and Triton 3.6 does not keep it for
 a register A operand with one wgmma group left in flight (triton-lang/triton#9433, fixed after
 3.6): ptxas is free to hand the operand's registers to the next instructions once the wgmma is
-issued. Our prefill kernel hit it (the next chunk's weight words landed in the operand of the
-wgmma still running; wrong rows on the H200), so its machine code is checked here.
+issued, e.g. to the next chunk's weight words while the wgmma still reads them (wrong rows), so the
+prefill kernel's machine code is checked here.
 
 The check is a forward data-flow pass over the control-flow graph (branches followed, paths
 joined), so straight-line code after a loop and code reached through out-of-line branches are
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["count_hgmma", "sass_of_ptx", "wgmma_register_hazards"]
+__all__ = ["count_hgmma", "wgmma_register_hazards"]
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)\s*([^;]*);")
 _PRED = re.compile(r"!?U?P(?:\d+|T)")
@@ -190,9 +190,3 @@ def count_hgmma(sass: str) -> int:
     """HGMMA instructions in ``sass``: a hazard check that saw none checked nothing."""
     return _scan(sass)[1]
 
-
-def sass_of_ptx(ptx: str, cc: int = 90) -> str:
-    """The SASS of ``ptx`` for ``sm_{cc}a``, assembled as the cross-compile worker does."""
-    from .worker import _ptxas
-
-    return _ptxas(ptx, cc, sass=True)[3]
