@@ -124,6 +124,27 @@ def test_weights_written_in_place_drop_the_graphs(device, graphs_here):
 
 
 @torch.no_grad()
+def test_a_replaced_submodule_or_buffer_drops_the_graphs(device, graphs_here):
+    """A shared expert swapped for another module, or a buffer rebound to a new tensor (no write to
+    the old one): the graphs read the old ones and must go."""
+    block, x = _block(device), _inputs(device, 1)[0]
+    _call(block, x)
+    assert _graphs(block).replays == 1
+    other = _block(device, shared=True)
+    with torch.no_grad():
+        other.shared_down.weight_scale_2.mul_(2)  # a different shared expert
+    block.shared_down = other.shared_down
+    with graph_policy(enabled=False):
+        want = block(x)
+    assert torch.equal(block(x), want) and len(_graphs(block)) == 0
+    _call(block, x)
+    block.router_weight = -block.router_weight
+    with graph_policy(enabled=False):
+        want = block(x)
+    assert torch.equal(block(x), want) and len(_graphs(block)) == 0
+
+
+@torch.no_grad()
 def test_device_or_dtype_change_drops_the_graphs(device, graphs_here):
     block = _block(device, shared=False)
     x = _inputs(device, 1)[0]

@@ -21,8 +21,8 @@ When a call runs eagerly instead (each rule keeps the graph from changing behavi
 
 A graph is dropped, and captured again on a later call, when any tensor of the module (parameter or
 buffer, its submodules' included) is replaced or written in place (``load_state_dict``, ``.to()``,
-``.half()``): the key of every graph holds each tensor's identity and write count
-(``Tensor._version``). Inference-mode tensors keep no write count, so a weight written in place under
+``.half()``), or a submodule replaced: each call compares the identities and write counts
+(``Tensor._version``) it saw at capture (``TensorWatch``). Inference-mode tensors keep no write count, so a weight written in place under
 ``torch.inference_mode`` is not seen: call :meth:`CallGraphs.clear` after such a write.
 
 Graphs of one device and stream share one memory pool: replays on a stream run one after another, so
@@ -36,8 +36,10 @@ manager) or :func:`set_graph_policy`.
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -133,36 +135,61 @@ def eager_calls() -> Iterator[None]:
 # graphs
 
 
+class _PoolShare:
+    """One memory pool that the live graphs of a (device, stream) share: ``live`` counts them. A pool
+    is never captured into again once its last graph is gone, nor after a capture into it failed
+    (PyTorch's allocators keep per-pool state that a dead or half-recorded pool leaves stale: the next
+    capture into it fails, "beginAllocateToPool: already recording", or trips an assertion of the
+    pinned-memory allocator); a new one takes its place."""
+
+    def __init__(self):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.live = 0
+
+
 class _CudaGraph:
-    """A CUDA graph captured on a side stream into a shared pool (no ``gc.collect`` or
-    ``empty_cache`` per capture, which ``torch.cuda.graph`` does)."""
+    """A CUDA graph captured on a side stream into the pool its live neighbours share (no
+    ``gc.collect`` or ``empty_cache`` per capture, which ``torch.cuda.graph`` does)."""
 
     runs_at_capture = False
-    _pools: dict[tuple[int, int], Any] = {}
+    _pools: dict[tuple[int, int], _PoolShare] = {}
     _streams: dict[int, torch.cuda.Stream] = {}
 
     def __init__(self, device: torch.device):
         self.device = device
         self.graph = torch.cuda.CUDAGraph()
 
+    @staticmethod
+    def _release(key: tuple[int, int], share: _PoolShare) -> None:
+        share.live -= 1
+        if share.live == 0 and _CudaGraph._pools.get(key) is share:
+            del _CudaGraph._pools[key]
+
     def capture(self, fn: Callable[[], Any]) -> Any:
         dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
         current = torch.cuda.current_stream(dev)
         key = (dev, current.cuda_stream)
-        pool = _CudaGraph._pools.get(key)
-        if pool is None:  # a MemPool object keeps its pool alive after every graph in it is gone
+        share = _CudaGraph._pools.get(key)
+        if share is None:
             with torch.cuda.device(dev):
-                pool = _CudaGraph._pools[key] = torch.cuda.MemPool()
+                share = _CudaGraph._pools[key] = _PoolShare()
         side = _CudaGraph._streams.get(dev)
         if side is None:
             side = _CudaGraph._streams[dev] = torch.cuda.Stream(dev)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self.graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
-            try:
-                out = fn()
-            finally:
-                self.graph.capture_end()
+        try:
+            with torch.cuda.stream(side):
+                self.graph.capture_begin(pool=share.handle, capture_error_mode="thread_local")
+                try:
+                    out = fn()
+                finally:
+                    self.graph.capture_end()
+        except BaseException:
+            if _CudaGraph._pools.get(key) is share:  # never capture into it again
+                del _CudaGraph._pools[key]
+            raise
+        share.live += 1
+        weakref.finalize(self, _CudaGraph._release, key, share)
         current.wait_stream(side)
         return out
 
@@ -219,20 +246,31 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def tensor_state(module: nn.Module) -> tuple[tuple, list[torch.Tensor]]:
-    """(identity and write count of every parameter and buffer of ``module`` and its submodules: the
-    weights a graph of its call reads; the tensors themselves, which the caller keeps so that no
-    identity is passed on while a graph may read them)."""
-    state: list = []
-    tensors: list[torch.Tensor] = []
-    for m in module.modules():
-        for group in (m._parameters, m._buffers):
-            for t in group.values():
-                if t is not None:
-                    state.append(id(t))
-                    state.append(_version(t))
-                    tensors.append(t)
-    return tuple(state), tensors
+class TensorWatch:
+    """What the graphs of a module's calls read, and whether it changed since: the module tree, the
+    identity of every parameter and buffer in it, and their write counts (``unchanged()``: a few
+    identity comparisons per module, no walk of the tree). It holds the tensors, so that no identity
+    is passed on while a graph may read them."""
+
+    def __init__(self, module: nn.Module):
+        self.dicts: list[tuple[dict, tuple]] = []
+        self.versions: list[tuple[torch.Tensor, int]] = []
+        for m in module.modules():
+            for group in (m._parameters, m._buffers, m._modules):
+                self.dicts.append((group, tuple(group.values())))
+            for group in (m._parameters, m._buffers):
+                for t in group.values():
+                    if t is not None and (v := _version(t)) is not None:
+                        self.versions.append((t, v))
+
+    def unchanged(self) -> bool:
+        for group, values in self.dicts:
+            if len(group) != len(values) or not all(map(operator.is_, group.values(), values)):
+                return False
+        for t, v in self.versions:
+            if t._version != v:
+                return False
+        return True
 
 
 @dataclass
@@ -256,8 +294,7 @@ class CallGraphs:
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._seen: dict[tuple, int] = {}
         self._failed: set[tuple] = set()
-        self._state: tuple | None = None
-        self._tensors: list[torch.Tensor] = []
+        self._watch: TensorWatch | None = None
         self.captures = 0  # graphs captured (statistics; tests)
         self.replays = 0
 
@@ -266,8 +303,7 @@ class CallGraphs:
         self._entries.clear()
         self._seen.clear()
         self._failed.clear()
-        self._state = None
-        self._tensors = []
+        self._watch = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -295,10 +331,9 @@ class CallGraphs:
 
     def run(self, module: nn.Module, fn: Callable[[torch.Tensor], tuple[torch.Tensor, Any]], x: torch.Tensor,
             key: tuple) -> tuple[torch.Tensor, Any]:
-        state, tensors = tensor_state(module)
-        if state != self._state:
+        if self._watch is None or not self._watch.unchanged():
             self.clear()
-            self._state, self._tensors = state, tensors
+            self._watch = TensorWatch(module)
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
         full = (tuple(x.shape), x.dtype, x.device, stream, torch.is_inference_mode_enabled(), current_tuning(), key)
         entry = self._entries.get(full)
