@@ -187,9 +187,16 @@ def moe(
     = "8,16,32,64",
     oea_k0: Annotated[int, typer.Option(min=1, help="Experts each token keeps as its own under OEA (k0).")] = 4,
     no_torch: Annotated[bool, typer.Option("--no-torch", help="Skip the torch._grouped_mm bf16 baseline.")] = False,
+    ep: Annotated[int, typer.Option(min=1, help="Expert-parallel degree: under torchrun with tp x ep processes, "
+                                    "the layer split over them (fp4moe.distributed), timed per rank.")] = 1,
+    dispatch: Annotated[str, typer.Option(help="Under torchrun: how tokens reach the experts' ranks: all_gather, "
+                                          "all_to_all or replicated (every rank the same tokens).")] = "all_gather",
     out: Annotated[Path, typer.Option(help="Folder of the JSON and Markdown results.")] = Path("benchmarks"),
 ) -> None:
-    """Time one FP4 MoE layer per M and routing against torch._grouped_mm bf16 and the weight-read bound."""
+    """Time one FP4 MoE layer per M and routing against torch._grouped_mm bf16 and the weight-read bound;
+    under torchrun, the layer split over the processes (--tp x --ep)."""
+    import os
+
     from ..models import get_model
     from .moe import DEFAULT_MS as MOE_MS
     from .moe import run_moe_bench
@@ -200,6 +207,13 @@ def moe(
         raise typer.BadParameter(str(err), param_hint="--model") from None
     if mode not in ("w4a16", "w4a4"):
         raise typer.BadParameter(f"expected w4a16 or w4a4, got {mode!r}", param_hint="--mode")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _parallel_moe(model, tp, ep, dispatch, mode, parse_ms(m) if m is not None else (1, 16, 64, 256), out)
+        return
+    if ep > 1:
+        raise typer.BadParameter(f"{ep} expert-parallel ranks need {tp * ep} processes: run it under torchrun "
+                                 f"(torchrun --nproc-per-node {tp * ep} -m fp4moe.cli bench moe --tp {tp} --ep {ep})",
+                                 param_hint="--ep")
     route_list = tuple(r.strip() for r in routings.split(",") if r.strip())
     for r in route_list:
         if r not in ("uniform", "zipf"):
@@ -213,6 +227,47 @@ def moe(
     name = f"moe-{model}-tp{tp}-{mode}"
     json_path, md_path = write_results(name, env, rows, out, ceilings=ceilings)
     console.print(f"wrote {json_path} and {md_path}")
+
+
+def _parallel_moe(model: str, tp: int, ep: int, dispatch: str, mode: str, tokens: Sequence[int], out: Path) -> None:
+    """``bench moe`` under torchrun: the layer split over the processes; rank 0 prints and writes."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ..distributed import DISPATCH_MODES
+    from .parallel import run_parallel_moe_bench
+
+    if dispatch not in DISPATCH_MODES:
+        raise typer.BadParameter(f"expected one of {', '.join(DISPATCH_MODES)}, got {dispatch!r}",
+                                 param_hint="--dispatch")
+    world = int(os.environ["WORLD_SIZE"])
+    if tp * ep != world:
+        raise typer.BadParameter(f"--tp {tp} x --ep {ep} = {tp * ep} ranks, but torchrun started {world} processes",
+                                 param_hint="--ep")
+    if not torch.cuda.is_available():
+        Console(stderr=True).print(f"[red]{NO_GPU}[/red]")
+        raise typer.Exit(2)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast
+    dist.init_process_group("nccl")
+    try:
+        rows = run_parallel_moe_bench(model, tp=tp, ep=ep, dispatch=dispatch, tokens=tokens, mode=mode)
+        if dist.get_rank() == 0:
+            console = Console()
+            table = Table(title=f"{model} MoE layer over {world} ranks (tp {tp} x ep {ep}, {dispatch}), µs per call")
+            for col in ("tokens/rank", "call", "experts' compute", "other (comm., wait)", "imbalance", "rows"):
+                table.add_column(col, justify="right")
+            for r in rows:
+                table.add_row(str(r["tokens_per_rank"]), _f(r["call_us"], ",.1f"), _f(r["compute_us"], ",.1f"),
+                              _f(r["other_us"], ",.1f"), _f(r["imbalance"], ".2f"), str(r["rows_computed"]))
+            console.print(table)
+            name = f"moe-{model}-tp{tp}-ep{ep}-{dispatch}-{mode}"
+            json_path, md_path = write_results(name, environment(), rows, out)
+            console.print(f"wrote {json_path} and {md_path}")
+    finally:
+        dist.destroy_process_group()
 
 
 def _calls_table(rows: Sequence[Mapping[str, Any]]) -> Table:

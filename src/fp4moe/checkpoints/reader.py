@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -287,20 +287,26 @@ class Checkpoint:
             raise CheckpointError(self._not_quantized(module))
         return self._read_linear(spec)
 
-    def experts(self, layer_prefix: str) -> ExpertWeights:
+    def experts(self, layer_prefix: str, experts: Sequence[int] | None = None) -> ExpertWeights:
         """The routed experts of the MoE layer at ``layer_prefix`` (``model.layers.1.mlp``, with or
-        without ``.experts``), stacked: ``w13`` [E, 2I, H], ``w2`` [E, H, I]."""
+        without ``.experts``), stacked: ``w13`` [E, 2I, H], ``w2`` [E, H, I]; ``experts``: only those
+        (global ids, in the order given), and only their tensors (or rows) are read."""
         prefix = layer_prefix.removesuffix(".").removesuffix(".experts")
         layer = self._moe.get(prefix)
         if layer is None:
             raise CheckpointError(self._unknown("MoE layer", prefix, self._moe))
+        ids = list(range(layer.n_experts)) if experts is None else [int(e) for e in experts]
+        bad = [e for e in ids if not 0 <= e < layer.n_experts]
+        if bad or not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"experts: expected distinct ids in [0, {layer.n_experts}) ({prefix!r} has "
+                             f"{layer.n_experts} experts), got {list(experts)[:8]}")
         if not layer.quantized:
             why = f" (excluded by {match_exclude(self.scheme.exclude, prefix)!r})" if self.is_excluded(prefix) else ""
             raise CheckpointError(f"{self.path}: the experts of {prefix!r} are stored unquantized{why}; "
                                   f"this {self.format} checkpoint has no FP4 experts there")
         if layer.packed:
-            return self._read_gpt_oss(layer)
-        gates, ups, downs = zip(*[tuple(self._read_linear(self._linears[m]) for m in ex) for ex in layer.experts])
+            return self._read_gpt_oss(layer, ids)
+        gates, ups, downs = zip(*[tuple(self._read_linear(self._linears[m]) for m in layer.experts[e]) for e in ids])
         w13 = stack_experts([(g.weight, u.weight) for g, u in zip(gates, ups)])
         w2 = stack_experts([(d.weight,) for d in downs])
         w13_bias = self._stack_bias([(g.bias, u.bias) for g, u in zip(gates, ups)], prefix, "gate/up")
@@ -504,18 +510,29 @@ class Checkpoint:
         weight = FP4Tensor(data=data, scales=scales, global_scale=gs, shape=torch.Size((spec.n, spec.k)), fmt=NVFP4)
         return LinearWeights(weight=weight, bias=bias, input_global_scale=input_gs)
 
-    def _read_gpt_oss(self, layer: _MoELayer) -> ExpertWeights:
+    def _read_rows(self, info: TensorInfo, ids: list[int]) -> torch.Tensor:
+        """The rows ``ids`` of a tensor stacked per expert, read run by contiguous run."""
+        if ids == list(range(info.shape[0])):
+            return self._read(info)
+        runs, start = [], 0
+        for j in range(1, len(ids) + 1):
+            if j == len(ids) or ids[j] != ids[j - 1] + 1:
+                runs.append(self._files.read(info.name, slice(ids[start], ids[j - 1] + 1)))
+                start = j
+        return torch.cat(runs) if len(runs) > 1 else runs[0]
+
+    def _read_gpt_oss(self, layer: _MoELayer, ids: list[int]) -> ExpertWeights:
         t = self._modules[layer.packed]
-        e, h, i = layer.n_experts, layer.hidden, layer.intermediate
+        e, h, i = len(ids), layer.hidden, layer.intermediate
         out = []
         for proj, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
-            blocks = self._read(t[f"{proj}_blocks"])
-            scales = self._read(t[f"{proj}_scales"])
+            blocks = self._read_rows(t[f"{proj}_blocks"], ids)
+            scales = self._read_rows(t[f"{proj}_scales"], ids)
             nan = int((scales == 255).sum())
             if nan:
                 raise CheckpointError(f"{_where(t[f'{proj}_scales'])}: {nan} E8M0 scale(s) are 255 (NaN): corrupted")
             out.append(make_fp4(blocks.reshape(e, n, k // 2), scales, None, (e, n, k), MXFP4))
-        bias = [self._read(t[b]) if b in t else None for b in GPT_OSS_OPTIONAL]
+        bias = [self._read_rows(t[b], ids) if b in t else None for b in GPT_OSS_OPTIONAL]
         return ExpertWeights(w13=out[0], w2=out[1], w13_bias=bias[0], w2_bias=bias[1], layout="interleaved")
 
     def _stack_bias(self, per_expert: list[tuple[torch.Tensor | None, ...]], prefix: str, what: str):

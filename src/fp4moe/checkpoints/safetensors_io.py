@@ -271,8 +271,9 @@ class ShardSet:
             tensors.update(found)
         return tensors
 
-    def read(self, name: str) -> torch.Tensor:
-        """Load one tensor (a copy; the file stays mapped, not loaded)."""
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Load one tensor (a copy; the file stays mapped, not loaded), or only its ``rows`` (a slice of
+        its first axis: what is read from the file is those rows)."""
         from safetensors import safe_open
 
         info = self.tensors[name]
@@ -283,11 +284,21 @@ class ShardSet:
             except Exception as err:  # safetensors raises its own error types
                 raise CheckpointError(f"{info.file}: safetensors cannot open it ({err})") from None
             self._handles[info.file] = handle
+        shape = info.shape
         try:
-            tensor = handle.get_tensor(name)
+            if rows is None:
+                tensor = handle.get_tensor(name)
+            else:
+                start, stop, step = rows.indices(info.shape[0] if info.shape else 0)
+                if step != 1 or not info.shape:
+                    raise ValueError(f"rows: expected a contiguous slice of the first axis, got {rows}")
+                tensor = handle.get_slice(name)[start:stop]
+                shape = (max(0, stop - start), *info.shape[1:])
+        except ValueError:
+            raise
         except Exception as err:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read ({err})") from None
-        if tensor.dtype != info.torch_dtype or tuple(tensor.shape) != info.shape:
+        if tensor.dtype != info.torch_dtype or tuple(tensor.shape) != shape:
             raise CheckpointError(f"{info.file}: tensor {name!r} read as {tensor.dtype}{list(tensor.shape)}, "
                                   f"header says {info.describe()}")
         return tensor

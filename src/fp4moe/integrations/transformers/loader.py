@@ -230,10 +230,19 @@ def _plain_linear(ckpt: Checkpoint, name: str, dtype: torch.dtype) -> nn.Linear:
 
 
 def _build_block(ckpt: Checkpoint, prefix: str, family: MoEFamily, config, dtype: torch.dtype, *, fp4_linears: bool,
-                 mode: Mode, k0: int | None) -> FP4MoEBlock:
-    ex = ckpt.experts(prefix)
+                 mode: Mode, k0: int | None, parallel=None) -> nn.Module:
+    """The block at ``prefix``: an ``FP4MoEBlock``, or with ``parallel`` (groups, placement, dispatch)
+    this rank's ``ParallelFP4MoE``, built from only the experts the rank owns."""
     r = f"{prefix}.{family.router}"
     router_weight = ckpt.tensor(f"{r}.weight").to(dtype)
+    owned = None
+    if parallel is not None:
+        from ...distributed import ExpertPlacement
+
+        groups, placement, _ = parallel
+        placement = ExpertPlacement.of(placement, router_weight.shape[0], groups.ep)
+        owned = placement.owners[groups.ep_rank]
+    ex = ckpt.experts(prefix, owned)
     router_bias = ckpt.tensor(f"{r}.bias").to(dtype) if family.router_bias else None
     selection = ckpt.tensor(f"{r}.{family.selection_bias}").float() if family.selection_bias else None
     shared = None
@@ -242,6 +251,17 @@ def _build_block(ckpt: Checkpoint, prefix: str, family: MoEFamily, config, dtype
         parts = [_linear(ckpt, m, dtype, fp4=fp4_linears, mode=mode) if m in quantized else _plain_linear(ckpt, m, dtype)
                  for m in (f"{prefix}.{family.shared}.{p}" for p in _SHARED_PROJ)]
         shared = GatedMLP(*parts)
+    if parallel is not None:
+        from ...distributed import BlockParts, ParallelFP4MoE
+
+        parts = BlockParts(router_weight, ex.w13, ex.w2, family.routing(config), expert_ids=owned,
+                           router_bias=router_bias, selection_bias=selection, shared_expert=shared,
+                           w13_bias=None if ex.w13_bias is None else ex.w13_bias.to(dtype),
+                           w2_bias=None if ex.w2_bias is None else ex.w2_bias.to(dtype), activation=family.activation,
+                           interleaved=ex.layout == "interleaved", mode=mode, k0=k0,
+                           router_dtype=torch.float32 if family.router_fp32 else None,
+                           returns_tuple=family.returns_tuple)
+        return ParallelFP4MoE(parts, groups, placement=placement, dispatch=parallel[2])
     return fp4_block(family, config, router_weight, ex.w13, ex.w2, router_bias=router_bias, selection_bias=selection,
                      shared_expert=shared, interleaved=ex.layout == "interleaved",
                      w13_bias=None if ex.w13_bias is None else ex.w13_bias.to(dtype),
@@ -278,7 +298,8 @@ def _materialize_buffers(model: nn.Module) -> None:
 
 
 def load_fp4_model(path: str | Path, *, device: str | torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
-                   linears: bool = True, mode: Mode = "w4a16", k0: int | None = None):
+                   linears: bool = True, mode: Mode = "w4a16", k0: int | None = None, parallel=None,
+                   placement=None, dispatch: str = "replicated"):
     """Load the quantized checkpoint in ``path`` into its transformers causal-LM class with every MoE
     block running on fp4moe.
 
@@ -293,6 +314,11 @@ def load_fp4_model(path: str | Path, *, device: str | torch.device | None = None
             ``FP4Linear``; False dequantizes them into plain ``nn.Linear`` layers.
         mode: "w4a16" or "w4a4" (NVFP4 only: activations quantized per token).
         k0: opportunistic expert activation (``FP4MoE``), None for exact top-k.
+        parallel: this rank's ``fp4moe.distributed.ParallelGroups`` (``make_groups(tp, ep)`` under
+            ``torchrun``): every MoE block becomes the rank's ``ParallelFP4MoE``, and of the routed
+            experts the rank reads only its own (``placement``, default contiguous) and keeps its
+            share of each one's intermediate size; the rest of the model is loaded whole on every
+            rank, which therefore runs the same tokens (``dispatch`` "replicated").
 
     Returns:
         The model in eval mode; ``model.fp4moe_report`` is a :class:`LoadReport`.
@@ -308,6 +334,14 @@ def load_fp4_model(path: str | Path, *, device: str | torch.device | None = None
                           "(pip install 'fp4moe[hf]')") from None
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype: expected torch.bfloat16 or torch.float16, got {dtype}")
+    if parallel is not None:
+        from ...distributed import DISPATCH_MODES, ParallelGroups
+
+        if not isinstance(parallel, ParallelGroups):
+            raise TypeError(f"parallel: expected fp4moe.distributed.ParallelGroups (make_groups(tp, ep)), got "
+                            f"{type(parallel).__name__}")
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch: expected one of {', '.join(DISPATCH_MODES)}, got {dispatch!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     with open_checkpoint(path) as ckpt:
         if ckpt.format == "bf16":
@@ -321,8 +355,9 @@ def load_fp4_model(path: str | Path, *, device: str | torch.device | None = None
         plan = _plan(ckpt, model, family)
         report = LoadReport(Path(path), ckpt.format, family.name, moe_blocks=list(plan.blocks))
         for prefix in plan.blocks:
-            model.set_submodule(prefix, _build_block(ckpt, prefix, family, config, dtype, fp4_linears=linears,
-                                                     mode=mode, k0=k0))
+            model.set_submodule(prefix, _build_block(
+                ckpt, prefix, family, config, dtype, fp4_linears=linears, mode=mode, k0=k0,
+                parallel=None if parallel is None else (parallel, placement, dispatch)))
         for name in plan.fp4_linears:
             model.set_submodule(name, _linear(ckpt, name, dtype, fp4=linears, mode=mode))
             (report.fp4_linears if linears else report.dequantized_linears).append(name)
