@@ -133,8 +133,9 @@ def test_cross_compilation_ignores_an_override(monkeypatch):
     # the worker itself, given the override in its environment
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "fp4moe.plan.worker"], input=json.dumps([dataclasses.asdict(request)]),
-                          env=env, capture_output=True, text=True, timeout=600)
+    message = json.dumps({"index": 0, "request": dataclasses.asdict(request)}) + "\n"  # one request per line
+    proc = subprocess.run([sys.executable, "-m", "fp4moe.plan.worker"], input=message, env=env, capture_output=True,
+                          text=True, timeout=600)
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["ok"], line["error"]
     assert any(m.startswith("wgmma") for m in line["mma"]), line["mma"]

@@ -422,6 +422,7 @@ def test_registry_and_candidates():
         LinearProblem(16, 512, 48, fmt="mxfp4")
 
 
+@pytest.mark.slow  # cross-compiles many configurations
 def test_loop_free_spills_are_bounded(cache):
     """The quantizer has no loop: its heuristic under the 64-register cap spills a few bytes once
     per thread (kept, and said so); at 48 registers it spills hundreds of bytes in its fast path
@@ -742,6 +743,7 @@ def test_emulated_w4a4_plans_the_variants_the_runtime_launches(cache):
         wgmma_compile_request(WgmmaConfig(), "nvfp4", 90, gemm="gemm2", out_mma_order=True)
 
 
+@pytest.mark.slow  # cross-compiles for every architecture
 def test_mma_decode_plan_on_every_architecture(cache):
     """The decode kernel on packed weights compiles without spills, with the bf16 mma.sync, on every
     catalogued architecture from SM80; its shared memory is only the in-program K split's partial

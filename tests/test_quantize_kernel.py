@@ -178,6 +178,7 @@ def test_matches_reference(case: Case, device):
     check(x, _global_scale(case.global_scale, device))
 
 
+@pytest.mark.slow  # many interpreter runs; the default run keeps the single-scale boundary cases
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_short_dividends_near_thresholds(dtype, device):
     """bf16/fp16 elements whose quotient x / d lies within a few fp32 ulps of an E2M1 threshold
@@ -218,6 +219,7 @@ def test_shapes(M, K, device):
     assert got.data.shape == (M, K // 2) and got.scales.shape == (M, K // 16)
 
 
+@pytest.mark.slow  # many interpreter runs; the default run keeps the single-scale boundary cases
 @pytest.mark.parametrize("global_scale", [None, 0.02, "tensor"])
 def test_near_boundaries_many_scales(global_scale, device):
     """Elements at and around every rounding boundary, for block scales d of every kind."""
@@ -551,6 +553,7 @@ def test_fake_quantize_is_quantize_then_dequantize(M, K, global_scale, weight_gl
     assert torch.equal(g, want_g)
 
 
+@pytest.mark.slow  # three interpreter runs of large tiles; bf16 contiguous stays in the default run
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_fake_quantize_other_dtypes_and_strides(dtype, device):
     """bf16 (read as pairs), fp16 and fp32 x (read as elements), a column-major x (copied first), and
