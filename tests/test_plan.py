@@ -128,6 +128,7 @@ def test_default_choice_of_every_kernel_fits_at_glm5_shapes(cc, cache):
 # ------------------------------------------------------------------------------ the seed failure
 
 
+@pytest.mark.slow  # cross-compiles for two targets
 def test_seed_failure_rejected_on_sm120_accepted_on_sm100(cache):
     """A 128x256x128 W4A4 tile with a 5-buffer pipeline: ~122 KB, over SM120's 101,376 B, well
     within SM100's 232,448 B. Rejected by the model (required and allowed bytes quoted, with the

@@ -43,6 +43,7 @@ def glm5_problems(mode: str) -> list[MoEGemmProblem]:
     return out
 
 
+@pytest.mark.slow  # cross-compiles both GEMMs per target
 @pytest.mark.parametrize("cc", [120, 90])
 def test_heuristic_of_both_gemms_fits_at_glm5_shapes(cc, cache):
     """The runtime's configurations (``choose_moe_configs``) at GLM-5 TP1 and TP8, decode and
