@@ -60,6 +60,7 @@ def test_bf16_model_same_tokens_as_transformers(family, device):
     assert runner.state.steps == {"eager": 1, "replayed": 7}
 
 
+@pytest.mark.slow  # writes, loads and generates with an fp4moe model through the interpreter
 def test_fp4moe_model_same_tokens_as_its_own_generate(tmp_path, device):
     """On a GPU the whole decode step of the fp4moe model is captured: its kernels inside a caller's
     capture, the modules' own graphs kept out of it."""

@@ -223,6 +223,7 @@ def test_gpu_end_to_end_large(family, tmp_path):
         assert math.isfinite(row["fp4moe_tokens_per_s"]) and row["fp4moe_tokens_per_s"] > 0
 
 
+@pytest.mark.slow  # the whole demo through the CLI; the README's main command runs it too
 def test_demo_e2e_command_prints_agreement(tmp_path):
     from typer.testing import CliRunner
 
