@@ -370,3 +370,15 @@ def test_run_moe_bench_small():
     exact = [r for r in rows if r["oea_k0"] is None]
     assert all(r["torch_us"] and r["speedup"] for r in exact)  # timed beside the layer
     assert all(r["torch_us"] is None for r in rows if r["oea_k0"] is not None)
+
+
+def test_plain_call_timing_on_cpu_runs_before_each_repetition():
+    """``time_plain_calls`` on a CPU device: host time for both numbers, ``before`` once per repetition
+    and never inside the timed calls."""
+    from fp4moe.bench.timing import time_plain_calls
+
+    log = []
+    stream, host = time_plain_calls(lambda: log.append("call"), calls=2, reps=3, before=lambda: log.append("before"),
+                                    device="cpu")
+    assert log == ["before", "call", "call"] * 3
+    assert stream.n == host.n == 3 and stream.median_us == host.median_us >= 0

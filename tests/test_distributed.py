@@ -82,8 +82,10 @@ def test_groups_are_checked():
 def test_one_rank_is_the_block_itself():
     """tp = ep = 1: no communication, the same call as the block (bit for bit)."""
     moe, x = _block(Routing("softmax", top_k=2), shared="pair", seed=1)
-    out = ParallelFP4MoE.from_module(moe, ParallelGroups())(x)
-    assert torch.equal(out, moe(x))
+    par = ParallelFP4MoE.from_module(moe, ParallelGroups())
+    assert torch.equal(par(x), moe(x))
+    par.half()  # FP4MoE's .to(): the FP4 experts and the fp32 selection keep their dtypes
+    assert par.w13_weight.dtype == torch.uint8 and par.w13.fmt.name == "nvfp4"
 
 
 def test_bad_options():

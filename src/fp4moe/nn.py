@@ -141,6 +141,27 @@ class FP4Linear(nn.Module):
                 f"mode={self.mode}, bias={self.bias is not None}")
 
 
+def register_experts(module: nn.Module, w13: FP4Tensor, w2: FP4Tensor) -> None:
+    """Keep stacked FP4 experts as buffers under ModelOpt's names (``w13_weight``, ``w13_weight_scale``,
+    ``w13_weight_scale_2``, and the same for ``w2``); ``module._fp4`` remembers each one's logical
+    shape and format, from which ``FP4MoE._stacked`` rebuilds the FP4Tensor views."""
+    module._fp4 = {}
+    for name, t in (("w13", w13), ("w2", w2)):
+        module.register_buffer(f"{name}_weight", t.data)
+        module.register_buffer(f"{name}_weight_scale", t.scales)
+        module.register_buffer(f"{name}_weight_scale_2", t.global_scale)
+        module._fp4[name] = (t.shape, t.fmt)
+
+
+def check_block_input(x, hidden: int) -> None:
+    """What an MoE block takes: a bf16/fp16 tensor [..., hidden]."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != hidden:
+        raise ValueError(f"x: expected [..., {hidden}] (hidden size {hidden}), got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
+
+
 class FP4MoE(nn.Module):
     """A Mixture-of-Experts block with FP4 experts: router -> routing -> experts -> combine.
 
@@ -226,12 +247,7 @@ class FP4MoE(nn.Module):
         self.register_buffer("router_weight", router_weight.detach())
         self.register_buffer("router_bias", None if router_bias is None else router_bias.detach())
         self.register_buffer("selection_bias", None if selection_bias is None else selection_bias.detach().float())
-        self._fp4 = {}  # name -> (logical shape, format) of the stacked experts kept as buffers
-        for name, t in (("w13", w13), ("w2", w2)):
-            self.register_buffer(f"{name}_weight", t.data)
-            self.register_buffer(f"{name}_weight_scale", t.scales)
-            self.register_buffer(f"{name}_weight_scale_2", t.global_scale)
-            self._fp4[name] = (t.shape, t.fmt)
+        register_experts(self, w13, w2)
         self.register_buffer("w13_bias", w13_bias)
         self.register_buffer("w2_bias", w2_bias)
         from .ops._runtime import check_fp4_moe_state_dict
@@ -299,12 +315,7 @@ class FP4MoE(nn.Module):
         """The block on x [..., H]; a repeated token count replays a CUDA graph of the call
         (``fp4moe.graphs``), with the same numerics and ``last_stats`` (then the graph's statistics
         tensors, updated in place by later calls of that count)."""
-        H = self._fp4["w2"][0][1]
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H:
-            raise ValueError(f"x: expected [..., {H}] (hidden size {H}), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
+        check_block_input(x, self._fp4["w2"][0][1])
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         graphs = _call_graphs(self)

@@ -14,38 +14,10 @@ together (a barrier), so a slow rank shows as waiting in the others' ``other_us`
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["run_parallel_moe_bench"]
-
-
-def _timer(device):
-    """``time_us(fn, reps)``: median µs of ``reps`` calls of fn, each started by a barrier."""
-    import torch
-    import torch.distributed as dist
-
-    def time_us(fn, reps: int) -> float:
-        samples = []
-        for _ in range(reps):
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples)
-
-    return time_us
 
 
 def run_parallel_moe_bench(model: str = "glm-5", *, tp: int = 1, ep: int = 1, dispatch: str = "all_gather",
@@ -63,6 +35,7 @@ def run_parallel_moe_bench(model: str = "glm-5", *, tp: int = 1, ep: int = 1, di
     from ..distributed import BlockParts, ExpertPlacement, ParallelFP4MoE, make_groups
     from ..models import get_model
     from ..quantize import quantize_stacked
+    from .timing import time_plain_calls
 
     if not dist.is_initialized():
         raise RuntimeError("bench moe --tp/--ep: run it under torchrun (torch.distributed is not initialized)")
@@ -93,7 +66,9 @@ def run_parallel_moe_bench(model: str = "glm-5", *, tp: int = 1, ep: int = 1, di
         seen[:] = [args]
         return local(*args)
 
-    time_us = _timer(device)
+    def time_us(fn, reps: int) -> float:  # each repetition started by a barrier: all ranks together
+        return time_plain_calls(fn, calls=1, reps=reps, before=dist.barrier, device=device)[0].median_us
+
     rows = []
     for T in tokens:
         row: dict[str, Any] = {"kind": "moe-parallel", "model": model, "tp": tp, "ep": ep, "dispatch": dispatch,

@@ -81,29 +81,39 @@ def _timed(run: Callable[[], Any], reps: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def time_plain_calls(fn: Callable[[], Any], *, calls: int = 1, reps: int = 3) -> tuple[TimingResult, TimingResult]:
+def time_plain_calls(fn: Callable[[], Any], *, calls: int = 1, reps: int = 3, before: Callable[[], Any] | None = None,
+                     device=None) -> tuple[TimingResult, TimingResult]:
     """Per-call time of ``calls`` plain (eager) calls of ``fn`` made back to back, as a user makes
     them: (what the stream takes, from CUDA events around the calls: the larger of host and GPU time;
     the host time of making the calls, without the final synchronisation). The GPU is idle at the
-    start of each of the ``reps`` repetitions. No graph: this is the number a graph replay is held to."""
+    start of each of the ``reps`` repetitions, after ``before()`` (untimed: e.g. a barrier that starts
+    every rank of a distributed job together). No graph: this is the number a graph replay is held
+    to. On a CPU ``device`` both are the host time (the calls complete as they return)."""
     import time
 
     import torch
 
     if calls < 1 or reps < 1:
         raise ValueError(f"calls, reps: expected >= 1, got {calls}, {reps}")
+    cuda = device is None or torch.device(device).type == "cuda"
     stream_us, host_us = [], []
     for _ in range(reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if before is not None:
+            before()
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         host_us.append((time.perf_counter() - t) * 1e6 / calls)
-        end.record()
-        end.synchronize()
-        stream_us.append(start.elapsed_time(end) * 1e3 / calls)
+        if cuda:
+            end.record()
+            end.synchronize()
+            stream_us.append(start.elapsed_time(end) * 1e3 / calls)
+        else:
+            stream_us.append(host_us[-1])
     return summarize(stream_us, graph=False), summarize(host_us, graph=False)
 
 

@@ -285,17 +285,13 @@ class ShardSet:
                 raise CheckpointError(f"{info.file}: safetensors cannot open it ({err})") from None
             self._handles[info.file] = handle
         shape = info.shape
+        if rows is not None:
+            start, stop, step = rows.indices(info.shape[0] if info.shape else 0)
+            if step != 1 or not info.shape:
+                raise ValueError(f"rows: expected a contiguous slice of the first axis of {name!r}, got {rows}")
+            shape = (max(0, stop - start), *info.shape[1:])
         try:
-            if rows is None:
-                tensor = handle.get_tensor(name)
-            else:
-                start, stop, step = rows.indices(info.shape[0] if info.shape else 0)
-                if step != 1 or not info.shape:
-                    raise ValueError(f"rows: expected a contiguous slice of the first axis, got {rows}")
-                tensor = handle.get_slice(name)[start:stop]
-                shape = (max(0, stop - start), *info.shape[1:])
-        except ValueError:
-            raise
+            tensor = handle.get_tensor(name) if rows is None else handle.get_slice(name)[start:stop]
         except Exception as err:
             raise CheckpointError(f"{info.file}: tensor {name!r} cannot be read ({err})") from None
         if tensor.dtype != info.torch_dtype or tuple(tensor.shape) != shape:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models import Routing
-from ..nn import FP4Linear, FP4MoE, GatedMLP
+from ..nn import FP4Linear, FP4MoE, GatedMLP, check_block_input, register_experts
 from ..quantize import FP4Tensor
 from .groups import ParallelGroups
 from .linear import all_reduce, column_parallel, row_parallel
@@ -194,12 +194,7 @@ class ParallelFP4MoE(nn.Module):
         self.register_buffer("router_weight", parts.router_weight.detach())
         self.register_buffer("router_bias", parts.router_bias)
         self.register_buffer("selection_bias", None if parts.selection_bias is None else parts.selection_bias.float())
-        self._fp4 = {}
-        for name, t in (("w13", w13), ("w2", w2)):
-            self.register_buffer(f"{name}_weight", t.data)
-            self.register_buffer(f"{name}_weight_scale", t.scales)
-            self.register_buffer(f"{name}_weight_scale_2", t.global_scale)
-            self._fp4[name] = (t.shape, t.fmt)
+        register_experts(self, w13, w2)
         self.register_buffer("w13_bias", w13_bias)
         self.register_buffer("w2_bias", w2_bias)
         self.register_buffer("expert_ids", mine.to(device))
@@ -214,20 +209,10 @@ class ParallelFP4MoE(nn.Module):
         """This rank's part of ``moe`` (the same block on every rank; keyword arguments as the class)."""
         return cls(BlockParts.of_module(moe), groups, **kwargs)
 
-    def _stacked(self, name: str) -> FP4Tensor:
-        shape, fmt = self._fp4[name]
-        return FP4Tensor(data=self._buffers[f"{name}_weight"], scales=self._buffers[f"{name}_weight_scale"],
-                         global_scale=self._buffers[f"{name}_weight_scale_2"], shape=shape, fmt=fmt)
-
-    def _apply(self, fn, recurse=True):
-        from ..nn import _apply_keeping_dtypes
-
-        _apply_keeping_dtypes(self, tuple(f"{n}_weight{p}" for n in self._fp4 for p in ("", "_scale", "_scale_2"))
-                              + ("selection_bias", "expert_ids", "local_of", "owner_of"), fn, recurse)
-        return self
-
-    route = FP4MoE.route  # the whole block's routing of this rank's tokens (reads the router buffers above)
-    shared = FP4MoE.shared
+    # FP4MoE's own methods, on the same attribute names: the experts' FP4 views, ``.to()`` that keeps
+    # their dtypes and packs them on a GPU, the whole block's routing of this rank's tokens, the shared expert
+    _stacked, w13, w2, _apply = FP4MoE._stacked, FP4MoE.w13, FP4MoE.w2, FP4MoE._apply
+    route, shared = FP4MoE.route, FP4MoE.shared
 
     def _local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                shared_out: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +224,7 @@ class ParallelFP4MoE(nn.Module):
         if ids.shape[1] > n_local:  # top-k above the local expert count: a token has at most n_local local pairs
             order = (ids < 0).to(torch.int8).argsort(dim=1, stable=True)[:, :n_local]
             ids, weights = ids.gather(1, order), weights.gather(1, order)
-        return moe_experts(x, self._stacked("w13"), self._stacked("w2"), ids, weights, activation=self.activation,
+        return moe_experts(x, self.w13, self.w2, ids, weights, activation=self.activation,
                            interleaved=self.interleaved, w13_bias=self.w13_bias, w2_bias=self.w2_bias,
                            shared_out=shared_out, mode=self.mode)
 
@@ -312,11 +297,7 @@ class ParallelFP4MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens x [..., H] through the whole block (module docstring)."""
         H = self.hidden
-        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != H:
-            raise ValueError(f"x: expected [..., {H}] (hidden size {H}), got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            raise TypeError(f"x: expected bfloat16 or float16, got {x.dtype}")
+        check_block_input(x, H)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, H)
         r = self.route(x2)
